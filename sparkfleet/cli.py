@@ -1,0 +1,52 @@
+"""The `sparkfleet` command: one subcommand per module.
+
+Each module named in ``COMMANDS`` exposes ``register(subparsers) -> None``, which adds its
+subparser and sets ``func`` (a callable taking the parsed args and returning an exit code).
+Modules are imported only when listed here and present, so a controller without the heavy
+optional pieces (torch, vllm) still runs the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> module. Order is the order `sparkfleet --help` lists them.
+COMMANDS: dict[str, str] = {
+    "wheel": "sparkfleet.wheel_build",
+    "kv-plan": "sparkfleet.kv_page_plan",
+    "checkpoint": "sparkfleet.checkpoint",
+    "bench": "sparkfleet.bench",
+    "report": "sparkfleet.report",
+    "ops": "sparkfleet.fleet_ops",
+    "profile": "sparkfleet.profiles",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sparkfleet", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # not written yet / not installed in this tree
+        module.register(sub)
+        del name
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
