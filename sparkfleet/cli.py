@@ -24,10 +24,13 @@ COMMANDS: dict[str, str] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand, or only ``only``'s (so one module's state never breaks another)."""
     parser = argparse.ArgumentParser(prog="sparkfleet", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS.items():
+        if only is not None and name != only:
+            continue
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -35,12 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
                 raise
             continue  # not written yet / not installed in this tree
         module.register(sub)
-        del name
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

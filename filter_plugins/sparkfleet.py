@@ -1,0 +1,81 @@
+"""Ansible filters over sparkfleet's serving profiles (pure; the logic is sparkfleet.profiles)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from ansible.errors import AnsibleFilterError
+
+# The repo root holds the sparkfleet package; the controller may run a system ansible-playbook.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from sparkfleet import profiles as _profiles  # noqa: E402
+
+
+def sparkfleet_profile(
+    name: str,
+    builtin: dict[str, Any],
+    site: dict[str, Any] | None = None,
+    serve_args_common: dict[str, Any] | None = None,
+    env_common: dict[str, Any] | None = None,
+    serve_args_platform: dict[str, Any] | None = None,
+    env_platform: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``name | sparkfleet_profile(builtin, site, common_args, common_env, platform_args, platform_env)``:
+    the resolved profile dict; raises AnsibleFilterError naming an unknown profile and the valid ones."""
+    try:
+        return _profiles.resolve(
+            _profiles.all_profiles(builtin, site),
+            name,
+            serve_args_common,
+            env_common,
+            serve_args_platform,
+            env_platform,
+        )
+    except _profiles.ProfileError as exc:
+        raise AnsibleFilterError(str(exc)) from exc
+
+
+def sparkfleet_profile_names(builtin: dict[str, Any], site: dict[str, Any] | None = None) -> list[str]:
+    """Sorted names of every profile the inventory knows."""
+    return sorted(_profiles.all_profiles(builtin, site))
+
+
+def sparkfleet_profile_errors(resolved: dict[str, Any], refused: list[dict[str, Any]] | None) -> list[str]:
+    """One message per flag of the resolved profile that is known to break this model."""
+    return _profiles.errors(resolved, refused)
+
+
+def sparkfleet_serve_argv(serve_args: dict[str, Any]) -> list[str]:
+    """``serve_args | sparkfleet_serve_argv``: the `vllm serve` flags as an argv list."""
+    if not isinstance(serve_args, dict):
+        raise AnsibleFilterError(f"sparkfleet_serve_argv expects a dict of flags, got {serve_args!r}")
+    return _profiles.serve_argv(serve_args)
+
+
+def sparkfleet_speculative_config(resolved: dict[str, Any], drafter_path: str | None = None) -> str:
+    """The --speculative-config JSON with the drafter's local path ('' when the profile doesn't speculate)."""
+    return _profiles.speculative_config(resolved, drafter_path) or ""
+
+
+def sparkfleet_systemd_args(argv: list[str]) -> str:
+    """``argv | sparkfleet_systemd_args``: the list quoted for a unit's ExecStart= line."""
+    if not isinstance(argv, list):
+        raise AnsibleFilterError(f"sparkfleet_systemd_args expects a list, got {argv!r}")
+    return _profiles.systemd_exec_args(argv)
+
+
+class FilterModule:
+    def filters(self) -> dict[str, Any]:
+        return {
+            "sparkfleet_profile": sparkfleet_profile,
+            "sparkfleet_profile_names": sparkfleet_profile_names,
+            "sparkfleet_profile_errors": sparkfleet_profile_errors,
+            "sparkfleet_serve_argv": sparkfleet_serve_argv,
+            "sparkfleet_speculative_config": sparkfleet_speculative_config,
+            "sparkfleet_systemd_args": sparkfleet_systemd_args,
+        }

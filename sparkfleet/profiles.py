@@ -1,0 +1,245 @@
+"""Serving profiles: merge, resolve, check, and render them into a `vllm serve` command line.
+
+A profile is data (``inventory/group_vars/all/profiles.yml``). The same functions back the Ansible
+filters in ``filter_plugins/sparkfleet.py`` and the ``sparkfleet profile`` command, which the
+Makefile uses to refuse an unknown PROFILE before anything runs.
+
+Layering of serve arguments, later wins: ``sparkfleet_serve_args_common`` (the recipe's defaults)
+→ the profile's ``serve_args`` → ``sparkfleet_serve_args_platform`` (e.g. the sandbox's CPU flags).
+A ``None`` value drops a flag that a lower layer set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PROFILE_KEYS_REQUIRED = ("target", "serve_args")
+
+
+class ProfileError(ValueError):
+    """A profile is unknown or invalid; the message is one line that names the value and the fix."""
+
+
+def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Recursive merge: dicts merge key by key, anything else in ``over`` replaces ``base``."""
+    out: dict[str, Any] = copy.deepcopy(dict(base))
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def all_profiles(builtin: Mapping[str, Any], site: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The built-in profiles with the inventory's additions; a site value of null removes a profile."""
+    merged = merge(builtin, site or {})
+    return {name: spec for name, spec in merged.items() if spec is not None}
+
+
+def get_profile(profiles: Mapping[str, Any], name: str) -> dict[str, Any]:
+    if name not in profiles:
+        valid = ", ".join(sorted(profiles))
+        raise ProfileError(
+            f"unknown profile {name!r}: valid profiles are {valid} "
+            "(add your own under sparkfleet_profiles_site in your inventory)"
+        )
+    spec = profiles[name]
+    if not isinstance(spec, Mapping):
+        raise ProfileError(f"profile {name!r} must be a mapping, got {type(spec).__name__}")
+    missing = [key for key in PROFILE_KEYS_REQUIRED if key not in spec]
+    if missing:
+        raise ProfileError(f"profile {name!r} lacks {', '.join(missing)}: add it under sparkfleet_profiles_site")
+    return dict(spec)
+
+
+def resolve(
+    profiles: Mapping[str, Any],
+    name: str,
+    serve_args_common: Mapping[str, Any] | None = None,
+    env_common: Mapping[str, Any] | None = None,
+    serve_args_platform: Mapping[str, Any] | None = None,
+    env_platform: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The profile ``name`` with its serve arguments and environment fully layered.
+
+    Returns a copy of the profile with ``name``, ``serve_args`` (flags with ``None`` removed) and
+    ``env`` (all values as strings).
+    """
+    spec = get_profile(profiles, name)
+    args: dict[str, Any] = {}
+    for layer in (serve_args_common, spec.get("serve_args"), serve_args_platform):
+        args.update(layer or {})
+    env: dict[str, Any] = {}
+    for layer in (env_common, spec.get("env"), env_platform):
+        env.update(layer or {})
+    resolved = copy.deepcopy(spec)
+    resolved["name"] = name
+    resolved["serve_args"] = {flag: value for flag, value in args.items() if value is not None}
+    resolved["env"] = {key: str(value) for key, value in env.items() if value is not None}
+    return resolved
+
+
+def errors(resolved: Mapping[str, Any], refused: list[Mapping[str, Any]] | None) -> list[str]:
+    """Flags known to break this model, one message per hit (empty when the profile is fine)."""
+    found: list[str] = []
+    name = resolved.get("name", "?")
+    args = resolved.get("serve_args") or {}
+    for rule in refused or []:
+        flag = rule["flag"]
+        if flag not in args:
+            continue
+        value = args[flag]
+        if "at_or_above" in rule:
+            try:
+                if float(value) < float(rule["at_or_above"]):
+                    continue
+            except (TypeError, ValueError):
+                found.append(f"profile {name!r}: --{flag} {value!r} is not a number")
+                continue
+            found.append(f"profile {name!r}: --{flag} {value} refused (>= {rule['at_or_above']}): {rule['reason']}")
+        else:
+            found.append(f"profile {name!r}: --{flag} refused: {rule['reason']}")
+    spec = resolved.get("speculative")
+    if spec is not None and not resolved.get("drafter") and spec.get("method") in {"dflash", "eagle", "eagle3"}:
+        found.append(f"profile {name!r}: speculative method {spec.get('method')!r} needs a drafter: set drafter")
+    return found
+
+
+def serve_argv(serve_args: Mapping[str, Any]) -> list[str]:
+    """Render serve arguments into argv: True → --flag, False → --no-flag, else --flag value."""
+    argv: list[str] = []
+    for flag, value in serve_args.items():
+        if value is None:
+            continue
+        opt = f"--{flag}"
+        if value is True:
+            argv.append(opt)
+        elif value is False:
+            argv.append(f"--no-{flag}")
+        elif isinstance(value, (dict, list)):
+            argv += [opt, json.dumps(value, separators=(",", ":"), sort_keys=True)]
+        else:
+            argv += [opt, str(value)]
+    return argv
+
+
+_SYSTEMD_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_./:=,+@")
+
+
+def systemd_quote(arg: str) -> str:
+    """Quote one argument for a unit file's ExecStart= line (systemd.syntax: quotes, backslash
+    escapes, and %-specifiers doubled; `$` doubled so it is not an environment expansion)."""
+    escaped = arg.replace("%", "%%").replace("$", "$$")
+    if escaped and set(escaped) <= _SYSTEMD_PLAIN:
+        return escaped
+    return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def systemd_exec_args(argv: list[str]) -> str:
+    """An argv list as one ExecStart= value."""
+    return " ".join(systemd_quote(str(arg)) for arg in argv)
+
+
+def speculative_config(resolved: Mapping[str, Any], drafter_path: str | None) -> str | None:
+    """The JSON for ``--speculative-config``, with the drafter's local path, or None."""
+    spec = resolved.get("speculative")
+    if not spec:
+        return None
+    config = {key: value for key, value in spec.items() if value is not None}
+    if drafter_path:
+        config["model"] = drafter_path
+    return json.dumps(config, separators=(",", ":"), sort_keys=True)
+
+
+# -- reading an inventory the way Ansible does, for the Makefile's early check ------------------
+
+
+def load_group_vars_all(inventory: Path) -> dict[str, Any]:
+    """Variables of group ``all`` in an inventory directory: its group_vars/all.yml or
+    group_vars/all/*.yml in name order (symlinks followed), later files replacing earlier keys."""
+    gv = inventory / "group_vars"
+    files: list[Path] = []
+    for candidate in (gv / "all.yml", gv / "all.yaml"):
+        if candidate.is_file():
+            files.append(candidate)
+    if (gv / "all").is_dir():
+        files += sorted(p for p in (gv / "all").iterdir() if p.suffix in {".yml", ".yaml"} and p.is_file())
+    merged: dict[str, Any] = {}
+    for path in files:
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ProfileError(f"{path}: expected a mapping of variables")
+        merged.update(data)
+    return merged
+
+
+def inventory_profiles(inventory: Path) -> dict[str, Any]:
+    if not inventory.is_dir():
+        raise ProfileError(f"inventory {str(inventory)!r} is not a directory: pass INVENTORY=inventory/<name>")
+    gv = load_group_vars_all(inventory)
+    if "sparkfleet_profiles_builtin" not in gv:
+        raise ProfileError(
+            f"inventory {str(inventory)!r} does not link the shared group_vars: "
+            "ln -s ../../../group_vars/all/profiles.yml group_vars/all/00-profiles.yml (see inventory/example)"
+        )
+    return gv
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    try:
+        gv = inventory_profiles(Path(args.inventory))
+        profiles = all_profiles(gv["sparkfleet_profiles_builtin"], gv.get("sparkfleet_profiles_site"))
+        resolved = resolve(
+            profiles,
+            args.name,
+            gv.get("sparkfleet_serve_args_common"),
+            gv.get("sparkfleet_env_common"),
+            gv.get("sparkfleet_serve_args_platform"),
+            gv.get("sparkfleet_env_platform"),
+        )
+    except ProfileError as exc:
+        print(f"sparkfleet: {exc}", file=sys.stderr)
+        return 2
+    problems = errors(resolved, gv.get("sparkfleet_refused_serve_args"))
+    for line in problems:
+        print(f"sparkfleet: {line}", file=sys.stderr)
+    if problems:
+        return 2
+    if args.show:
+        print(yaml.safe_dump(resolved, sort_keys=False), end="")
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    try:
+        gv = inventory_profiles(Path(args.inventory))
+    except ProfileError as exc:
+        print(f"sparkfleet: {exc}", file=sys.stderr)
+        return 2
+    profiles = all_profiles(gv["sparkfleet_profiles_builtin"], gv.get("sparkfleet_profiles_site"))
+    width = max(len(n) for n in profiles)
+    for name, spec in profiles.items():
+        print(f"{name:<{width}}  {spec.get('summary', '')}")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("profile", help="list and check serving profiles of an inventory")
+    sub = parser.add_subparsers(dest="profile_command", metavar="ACTION", required=True)
+    check = sub.add_parser("check", help="refuse an unknown or invalid profile (exit 2, one line)")
+    check.add_argument("name")
+    check.add_argument("--inventory", default="inventory/sandbox")
+    check.add_argument("--show", action="store_true", help="print the resolved profile")
+    check.set_defaults(func=_cmd_check)
+    lst = sub.add_parser("list", help="the profiles an inventory knows")
+    lst.add_argument("--inventory", default="inventory/sandbox")
+    lst.set_defaults(func=_cmd_list)
