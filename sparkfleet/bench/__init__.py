@@ -1,0 +1,282 @@
+"""Benchmark clients for a serving host: decode-only, albond's end-to-end, and serving at conc 8.
+
+Standard library only (plus vLLM's own ``vllm bench serve`` for the serving run), so it runs on a
+serving host under the service venv's Python from a copied ``sparkfleet`` directory::
+
+    PYTHONPATH=<dir holding sparkfleet> python -m sparkfleet.bench decode --base-url http://127.0.0.1:8000
+    python -m sparkfleet.bench e2e --base-url ... --max-tokens-scale 0.125
+    python -m sparkfleet.bench serving --base-url ... --num-prompts 64 --max-concurrency 8
+    python -m sparkfleet.bench compare --result results/x.json --baselines '{"e2e_tok_s": 53.7}'
+
+and as ``sparkfleet bench ...`` on the controller. Each run writes one result JSON (schema in
+``sparkfleet.bench.results``); with ``--baselines`` it compares and exits 1 on a regression.
+Exit codes: 0 ok, 1 regression, 2 bad input or a failed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from sparkfleet.bench import results as res
+from sparkfleet.bench.http_client import BenchHTTPError, OpenAIServer
+from sparkfleet.bench.workloads import DECODE_WORKLOADS, E2E_WORKLOAD, SHAREGPT_DATASET, WorkloadError
+
+SNAPSHOT_REVISION = re.compile(r"/snapshots/([0-9a-f]{40})(?:/|$)")
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--model", help="served model name (default: the first of GET /v1/models)")
+    parser.add_argument("--host-label", help="host name recorded in the result (default: this host's)")
+    parser.add_argument("--profile", help="sparkfleet serving profile being measured, e.g. dflash")
+    parser.add_argument("--patch-set", help="id of the vLLM patch set the server runs")
+    parser.add_argument(
+        "--model-revision", help="model revision (default: read from an HF snapshot path, else none)"
+    )
+    parser.add_argument(
+        "--drafter-revision", help="drafter revision, e.g. 6c7242c934a9870d7c59c05240bdbb2467cc1394"
+    )
+    parser.add_argument(
+        "--out", default="results", help="result file (*.json) or directory (default: results)"
+    )
+    parser.add_argument(
+        "--baselines", help="JSON object or file of figure -> baseline, e.g. '{\"e2e_tok_s\": 53.7}'"
+    )
+    parser.add_argument(
+        "--tolerance-pct", type=float, default=5.0, help="allowed regression in %% (default 5)"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no per-request progress on stderr")
+
+
+def add_bench_subcommands(sub: Any) -> None:
+    decode = sub.add_parser("decode", help="decode-only tok/s per workload (streaming, excludes TTFT)")
+    _add_common(decode)
+    decode.add_argument(
+        "--workloads",
+        default=",".join(DECODE_WORKLOADS),
+        help=f"comma-separated workload names or JSON paths (default {','.join(DECODE_WORKLOADS)})",
+    )
+    decode.add_argument("--max-tokens-scale", type=float, default=1.0, help="multiply every max_tokens")
+    decode.add_argument("--max-requests", type=int, help="use only the first N requests of each workload")
+    decode.add_argument("--repeats", type=int, default=1, help="run each workload N times (default 1)")
+    decode.set_defaults(func=run_with_errors, command=run_decode_command)
+
+    e2e = sub.add_parser("e2e", help="albond's end-to-end tok/s (5 prompts, run 1 discarded)")
+    _add_common(e2e)
+    e2e.add_argument("--workload", default=E2E_WORKLOAD, help=f"prompt set (default {E2E_WORKLOAD})")
+    e2e.add_argument(
+        "--max-tokens-scale", type=float, default=1.0, help="multiply max_tokens 256/512/1024/64/2048"
+    )
+    e2e.add_argument(
+        "--ignore-eos", action="store_true", help="generate up to max_tokens (not in albond's method)"
+    )
+    e2e.set_defaults(func=run_with_errors, command=run_e2e_command)
+
+    serving = sub.add_parser("serving", help="vllm bench serve on a ShareGPT-format dataset (conc 8)")
+    _add_common(serving)
+    serving.add_argument("--dataset", default=str(SHAREGPT_DATASET), help="ShareGPT-format JSON dataset")
+    serving.add_argument("--num-prompts", type=int, default=64)
+    serving.add_argument("--max-concurrency", type=int, default=8)
+    serving.add_argument("--backend", default="openai-chat", choices=["openai-chat", "vllm"])
+    serving.add_argument(
+        "--tokenizer", help="tokenizer path or repo (default: the model root the server reports)"
+    )
+    serving.add_argument("--output-len", type=int, help="fixed output length (--sharegpt-output-len)")
+    serving.add_argument("--seed", type=int, default=0)
+    serving.add_argument("--vllm-command", help="how to run vLLM's CLI (default: this Python -m vllm...)")
+    serving.set_defaults(func=run_with_errors, command=run_serving_command)
+
+    compare = sub.add_parser("compare", help="compare a result file with baselines")
+    compare.add_argument("--result", required=True, help="result JSON written by a bench run")
+    compare.add_argument("--baselines", required=True, help="JSON object or file of figure -> baseline")
+    compare.add_argument("--tolerance-pct", type=float, default=5.0)
+    compare.set_defaults(func=run_with_errors, command=run_compare_command)
+
+
+def register(subparsers: Any) -> None:
+    """Add ``sparkfleet bench`` (CLI contract of sparkfleet.cli)."""
+    bench = subparsers.add_parser("bench", help="benchmark a serving host (decode, e2e, serving, compare)")
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
+    add_bench_subcommands(sub)
+    bench.set_defaults(func=lambda _args: (bench.print_help(), 2)[1])
+
+
+def _identity(args: argparse.Namespace, server: OpenAIServer) -> tuple[str, str | None, str | None]:
+    served, root = server.model_info()
+    model = args.model or served
+    revision = args.model_revision
+    if revision is None and root:
+        match = SNAPSHOT_REVISION.search(str(root))
+        revision = match.group(1) if match else None
+    return model, root, revision
+
+
+def _finish(result: dict[str, Any], args: argparse.Namespace) -> int:
+    """Compare with baselines if given, write the result, print one line per check; return the exit code."""
+    exit_code = 0
+    if getattr(args, "baselines", None):
+        comparison = res.compare_with_baselines(
+            result, res.load_baselines(args.baselines), args.tolerance_pct
+        )
+        result["comparison"] = comparison
+        for check in comparison["checks"]:
+            print(check["reason"])
+        exit_code = 0 if comparison["passed"] else 1
+    out = Path(args.out)
+    path = out if out.suffix == ".json" else out / res.default_result_name(result)
+    res.write_result(result, path)
+    shown = {k: v for k, v in result["figures"].items() if "[" not in k and v is not None}
+    summary = ", ".join(f"{k} {v:.4g}" for k, v in sorted(shown.items()))
+    print(f"{result['kind']} on {result['host']}: {summary}; wrote {path}")
+    return exit_code
+
+
+def _new_result(
+    kind: str,
+    args: argparse.Namespace,
+    server: OpenAIServer,
+    model: str,
+    root: str | None,
+    revision: str | None,
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    return res.new_result(
+        kind,
+        base_url=server.base_url,
+        host=args.host_label,
+        profile=args.profile,
+        patch_set=args.patch_set,
+        served_name=model,
+        model_root=root,
+        model_revision=revision,
+        drafter_revision=args.drafter_revision,
+        vllm_version=server.vllm_version(),
+        settings=settings,
+    )
+
+
+def run_decode_command(args: argparse.Namespace) -> int:
+    from sparkfleet.bench.decode import run_decode_bench
+    from sparkfleet.bench.workloads import load_workload
+
+    server = OpenAIServer(args.base_url)
+    names = [name.strip() for name in args.workloads.split(",") if name.strip()]
+    workloads = [load_workload(name, args.max_tokens_scale, args.max_requests) for name in names]
+    model, root, revision = _identity(args, server)
+    settings = {
+        "workloads": names,
+        "max_tokens_scale": args.max_tokens_scale,
+        "max_requests": args.max_requests,
+        "repeats": args.repeats,
+        "concurrency": 1,
+        "temperature": 0.0,
+        "stream": True,
+    }
+    result = _new_result("decode", args, server, model, root, revision, settings)
+    figures, details, cpu = run_decode_bench(
+        server, model, workloads, repeats=args.repeats, progress=not args.quiet
+    )
+    result.update(figures=figures, details=details, client_cpu=cpu)
+    return _finish(result, args)
+
+
+def run_e2e_command(args: argparse.Namespace) -> int:
+    from sparkfleet.bench.e2e import run_e2e_bench
+    from sparkfleet.bench.workloads import load_workload
+
+    server = OpenAIServer(args.base_url)
+    workload = load_workload(args.workload, args.max_tokens_scale)
+    model, root, revision = _identity(args, server)
+    settings = {
+        "workload": args.workload,
+        "max_tokens_scale": args.max_tokens_scale,
+        "max_tokens": [r.max_tokens for r in workload.requests],
+        "ignore_eos": args.ignore_eos,
+        "temperature": 0.0,
+        "stream": False,
+        "runs_per_prompt": 2,
+        "discarded_runs": 1,
+    }
+    result = _new_result("e2e", args, server, model, root, revision, settings)
+    figures, details, cpu = run_e2e_bench(
+        server, model, workload, ignore_eos=args.ignore_eos, progress=not args.quiet
+    )
+    result.update(figures=figures, details=details, client_cpu=cpu)
+    return _finish(result, args)
+
+
+def run_serving_command(args: argparse.Namespace) -> int:
+    from sparkfleet.bench.serving import run_serving_bench
+
+    server = OpenAIServer(args.base_url)
+    model, root, revision = _identity(args, server)
+    settings = {
+        "dataset": Path(args.dataset).name,
+        "num_prompts": args.num_prompts,
+        "max_concurrency": args.max_concurrency,
+        "backend": args.backend,
+        "output_len": args.output_len,
+        "temperature": 0.0,
+        "seed": args.seed,
+    }
+    result = _new_result("serving", args, server, model, root, revision, settings)
+    figures, details, cpu = run_serving_bench(
+        base_url=server.base_url,
+        model=root or model,
+        served_model_name=model,
+        dataset_path=args.dataset,
+        tokenizer=args.tokenizer,
+        backend=args.backend,
+        num_prompts=args.num_prompts,
+        max_concurrency=args.max_concurrency,
+        output_len=args.output_len,
+        seed=args.seed,
+        vllm_command=shlex.split(args.vllm_command) if args.vllm_command else None,
+    )
+    result.update(figures=figures, details=details, client_cpu=cpu)
+    return _finish(result, args)
+
+
+def run_compare_command(args: argparse.Namespace) -> int:
+    result = res.load_result(args.result)
+    comparison = res.compare_with_baselines(result, res.load_baselines(args.baselines), args.tolerance_pct)
+    for check in comparison["checks"]:
+        print(check["reason"])
+    verdict = "PASS" if comparison["passed"] else "FAIL"
+    print(
+        f"{verdict}: {len(comparison['checks'])} figure(s) of {Path(args.result).name} "
+        f"against baselines at {args.tolerance_pct:g}% tolerance"
+    )
+    return 0 if comparison["passed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m sparkfleet.bench`` entry point (no controller packages needed)."""
+    parser = argparse.ArgumentParser(prog="python -m sparkfleet.bench", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="bench_command", metavar="BENCH")
+    add_bench_subcommands(sub)
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+def run_with_errors(args: argparse.Namespace) -> int:
+    """Run a parsed command; print a one-line error and return 2 for bad input or a failed run."""
+    from sparkfleet.bench.serving import ServingBenchError
+
+    try:
+        return int(args.command(args) or 0)
+    except (WorkloadError, res.ResultError, BenchHTTPError, ServingBenchError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        url = getattr(args, "base_url", None)
+        print(f"error: {exc}" + (f" (is a server listening at {url}?)" if url else ""), file=sys.stderr)
+        return 2

@@ -1,0 +1,240 @@
+"""Decode-only tok/s (the reference's ``bench_decode.py`` figure, "~81 tok/s on agent turns").
+
+Standard library only. Sequential (concurrency 1) streaming chat completions at temperature 0,
+``stream_options.include_usage`` on. Per request:
+
+- decode window = arrival of the last chunk carrying a choice - arrival of the first one (the
+  first chunk vLLM sends carries the role and is emitted with the first generated token), so
+  TTFT/prefill is excluded;
+- decode tok/s = (completion_tokens - 1) / decode window, completion_tokens from the server's
+  usage (the first token belongs to prefill, as in vLLM's own TPOT);
+- client TPOT = decode window / (completion_tokens - 1).
+
+Per workload: median decode tok/s over its requests, and from ``/metrics`` scraped just before
+and just after the workload: mean acceptance length (1 + accepted / drafts), acceptance rate and
+per-position acceptance, and the server's own TPOT over the same window, compared with the
+client's (``tpot_agreement``). The client's CPU share (CPU seconds / wall seconds) is recorded.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from sparkfleet.bench import metrics as prom
+from sparkfleet.bench.http_client import CpuMeter, OpenAIServer, StreamedCompletion
+from sparkfleet.bench.workloads import Workload
+
+
+@dataclass(frozen=True)
+class TpotAgreement:
+    """The client's TPOT against the server's own, over the same window."""
+
+    client_tpot_s: float | None  # sum of decode windows / sum of (completion_tokens - 1)
+    server_tpot_s: float | None  # sum of request decode times / (generation tokens - requests)
+    relative_difference: float | None  # (client - server) / server
+    client_request_tpot_mean_s: float | None  # mean over requests of the client's per-request TPOT
+    server_request_tpot_mean_s: float | None  # mean of vllm:request_time_per_output_token_seconds
+    request_mean_relative_difference: float | None
+    requests_client: int
+    requests_server: float
+    window_clean: bool  # the server finished exactly the client's requests in the window
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def _relative(client: float | None, server: float | None) -> float | None:
+    if client is None or server is None or server <= 0:
+        return None
+    return (client - server) / server
+
+
+def tpot_agreement(
+    completions: list[StreamedCompletion], server: prom.ServerTpotWindow | None
+) -> TpotAgreement:
+    """Compare the client's TPOT with the server's histograms for the same requests.
+
+    Primary figure: token-weighted TPOT on both sides (client: summed decode windows over summed
+    tokens-after-first; server: ``vllm:request_decode_time_seconds_sum`` delta over
+    ``vllm:generation_tokens_total`` delta minus finished requests). Secondary: the mean over
+    requests of per-request TPOT, the client's against ``vllm:request_time_per_output_token_seconds``.
+    ``window_clean`` is False when other traffic reached the server during the window.
+    """
+    decode_total = sum(c.decode_s or 0.0 for c in completions if c.completion_tokens >= 2)
+    tokens_after_first = sum(c.completion_tokens - 1 for c in completions if c.completion_tokens >= 2)
+    client_tpot = decode_total / tokens_after_first if tokens_after_first > 0 else None
+    per_request = [c.tpot_s for c in completions if c.tpot_s is not None]
+    single_token = sum(1 for c in completions if c.completion_tokens < 2)
+    # the server counts requests with one token as TPOT 0; include them the same way
+    per_request_all = per_request + [0.0] * single_token
+    client_request_mean = statistics.fmean(per_request_all) if per_request_all else None
+    server_tpot = server.token_weighted_tpot_s if server else None
+    server_request_mean = server.request_tpot_mean_s if server else None
+    requests_server = server.requests if server else 0.0
+    return TpotAgreement(
+        client_tpot_s=client_tpot,
+        server_tpot_s=server_tpot,
+        relative_difference=_relative(client_tpot, server_tpot),
+        client_request_tpot_mean_s=client_request_mean,
+        server_request_tpot_mean_s=server_request_mean,
+        request_mean_relative_difference=_relative(client_request_mean, server_request_mean),
+        requests_client=len(completions),
+        requests_server=requests_server,
+        window_clean=server is not None and round(requests_server) == len(completions),
+    )
+
+
+def run_workload(
+    server: OpenAIServer,
+    model: str,
+    workload: Workload,
+    before: prom.MetricsSnapshot,
+    repeats: int = 1,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run one workload sequentially after the scrape ``before``; return figures and details.
+
+    The result's ``_after`` is the settled scrape that closes the window (the next one's start).
+    """
+    completions: list[StreamedCompletion] = []
+    ids: list[str] = []
+    for repeat in range(repeats):
+        for request in workload.requests:
+            completion = server.stream_chat(model, request.messages, request.max_tokens)
+            completions.append(completion)
+            ids.append(request.request_id if repeats == 1 else f"{request.request_id}#{repeat + 1}")
+            if progress:
+                rate = completion.decode_tok_s
+                print(
+                    f"  {workload.name} {ids[-1]}: {completion.completion_tokens} tokens, "
+                    f"{'n/a' if rate is None else f'{rate:.1f}'} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    after = prom.fetch_settled_metrics(server.base_url, before, len(completions))
+    spec = prom.spec_decode_window(before, after)
+    server_tpot = prom.server_tpot_window(before, after)
+    agreement = tpot_agreement(completions, server_tpot)
+    rates = [c.decode_tok_s for c in completions if c.decode_tok_s is not None]
+    ttfts = [c.ttft_s for c in completions if c.ttft_s is not None]
+    return {
+        "name": workload.name,
+        "requests": len(completions),
+        "requests_measured": len(rates),
+        "completion_tokens": sum(c.completion_tokens for c in completions),
+        "decode_tok_s_median": statistics.median(rates) if rates else None,
+        "decode_tok_s_mean": statistics.fmean(rates) if rates else None,
+        "ttft_s_median": statistics.median(ttfts) if ttfts else None,
+        "spec_decode": spec.as_dict() if spec else None,
+        "server_tpot": server_tpot.as_dict() if server_tpot else None,
+        "tpot_agreement": agreement.as_dict(),
+        "per_request": [
+            {
+                "id": rid,
+                "completion_tokens": c.completion_tokens,
+                "prompt_tokens": c.prompt_tokens,
+                "ttft_s": c.ttft_s,
+                "decode_s": c.decode_s,
+                "decode_tok_s": c.decode_tok_s,
+                "finish_reason": c.finish_reason,
+            }
+            for rid, c in zip(ids, completions, strict=True)
+        ],
+        "_rates": rates,
+        "_completions": completions,
+        "_after": after,
+    }
+
+
+def run_decode_bench(
+    server: OpenAIServer,
+    model: str,
+    workloads: list[Workload],
+    repeats: int = 1,
+    warmup: bool = True,
+    progress: bool = True,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Run every workload; return (figures, details, client_cpu)."""
+    snapshot = prom.fetch_metrics(server.base_url)
+    if warmup and workloads and workloads[0].requests:
+        first = workloads[0].requests[0]
+        server.stream_chat(model, first.messages, min(first.max_tokens, 16))
+        snapshot = prom.fetch_settled_metrics(server.base_url, snapshot, 1)
+    figures: dict[str, Any] = {}
+    details: dict[str, Any] = {"workloads": []}
+    all_rates: list[float] = []
+    all_completions: list[StreamedCompletion] = []
+    server_windows: list[prom.ServerTpotWindow] = []
+    with CpuMeter() as cpu:
+        for workload in workloads:
+            outcome = run_workload(server, model, workload, snapshot, repeats=repeats, progress=progress)
+            snapshot = outcome.pop("_after")
+            rates = outcome.pop("_rates")
+            completions = outcome.pop("_completions")
+            all_rates.extend(rates)
+            all_completions.extend(completions)
+            if outcome["server_tpot"] is not None:
+                server_windows.append(_window_from_dict(outcome["server_tpot"]))
+            name = workload.name
+            figures[f"decode_tok_s_median[{name}]"] = outcome["decode_tok_s_median"]
+            figures[f"ttft_s_median[{name}]"] = outcome["ttft_s_median"]
+            spec = outcome["spec_decode"]
+            if spec is not None:
+                figures[f"acceptance_length[{name}]"] = spec["acceptance_length"]
+                figures[f"acceptance_rate[{name}]"] = spec["acceptance_rate"]
+            figures[f"tpot_relative_difference[{name}]"] = outcome["tpot_agreement"]["relative_difference"]
+            details["workloads"].append(outcome)
+            if progress:
+                acc = spec["acceptance_length"] if spec else None
+                print(
+                    f"{name}: median {_fmt(outcome['decode_tok_s_median'])} tok/s, acceptance length "
+                    f"{_fmt(acc)}, client/server TPOT diff "
+                    f"{_fmt_pct(outcome['tpot_agreement']['relative_difference'])}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    figures["decode_tok_s_median"] = statistics.median(all_rates) if all_rates else None
+    overall = tpot_agreement(all_completions, _sum_windows(server_windows))
+    details["tpot_agreement"] = overall.as_dict()
+    figures["tpot_relative_difference"] = overall.relative_difference
+    figures["client_cpu_share"] = cpu.share
+    return figures, details, cpu.as_dict()
+
+
+def _window_from_dict(data: dict[str, Any]) -> prom.ServerTpotWindow:
+    return prom.ServerTpotWindow(
+        requests=data["requests"],
+        request_tpot_mean_s=data["request_tpot_mean_s"],
+        request_tpot_median_s=data["request_tpot_median_s"],
+        inter_token_mean_s=data["inter_token_mean_s"],
+        decode_time_s=data["decode_time_s"],
+        generation_tokens=data["generation_tokens"],
+    )
+
+
+def _sum_windows(windows: list[prom.ServerTpotWindow]) -> prom.ServerTpotWindow | None:
+    """Combine consecutive windows (sums add; the request-weighted mean is recombined)."""
+    if not windows:
+        return None
+    requests = sum(w.requests for w in windows)
+    tpot_sum = sum((w.request_tpot_mean_s or 0.0) * w.requests for w in windows)
+    decode_times = [w.decode_time_s for w in windows]
+    return prom.ServerTpotWindow(
+        requests=requests,
+        request_tpot_mean_s=tpot_sum / requests if requests > 0 else None,
+        request_tpot_median_s=None,
+        inter_token_mean_s=None,
+        decode_time_s=None if any(d is None for d in decode_times) else sum(d or 0.0 for d in decode_times),
+        generation_tokens=sum(w.generation_tokens for w in windows),
+    )
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
+def _fmt_pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:+.1f}%"
