@@ -38,6 +38,15 @@ help: ## List the targets
 
 # ---------------------------------------------------------------------------------------- set-up
 
+HOST_PACKAGES := debootstrap systemd-container iproute2 openssh-client rsync dpkg-dev patch python3-venv
+.PHONY: host-deps
+host-deps: ## Install the controller's distribution packages (root; apt)
+	@missing=$$(for p in $(HOST_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "==> apt-get install $$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	else echo "host packages: all present"; fi
+
 $(VENV)/.stamp: pyproject.toml
 	@echo "==> controller venv ($(VENV))"
 	$(PYTHON) -m venv $(VENV)
@@ -58,9 +67,16 @@ $(WHEELHOUSE)/.stamp: $(CPU_LOCK)
 .PHONY: wheelhouse
 wheelhouse: $(WHEELHOUSE)/.stamp ## Download the pinned CPU wheelhouse (sandbox hosts and tests)
 
+FLAVOR ?= cpu
+WHEEL_SOURCE := $(if $(filter gpu,$(FLAVOR)),gpu-aarch64,cpu-x86_64)
+WHEEL_SUFFIX := $(if $(filter gpu,$(FLAVOR)),,.cpu)
 .PHONY: wheel
 wheel: $(VENV)/.stamp $(WHEELHOUSE)/.stamp ## Build the patched vLLM wheel (FLAVOR=cpu|gpu, default cpu)
-	$(PY) -m sparkfleet wheel build --source $(if $(filter gpu,$(FLAVOR)),gpu-aarch64,cpu-x86_64) --out build/wheels
+	$(PY) -m sparkfleet wheel build --source $(WHEEL_SOURCE) --find-links $(WHEELHOUSE) --out build/wheels
+	@id=$$($(PY) -m sparkfleet wheel id --platform $(FLAVOR)); \
+	manifest=$$(ls build/wheels/vllm-0.23.0+sf$$id$(WHEEL_SUFFIX)-*.manifest.json); \
+	cp "$$manifest" build/wheels/$(FLAVOR)-current.json; \
+	echo "build/wheels/$(FLAVOR)-current.json -> $$(basename $$manifest)"
 
 $(VLLM_VENV)/.stamp: $(WHEELHOUSE)/.stamp $(CPU_LOCK)
 	@echo "==> vLLM CPU test venv ($(VLLM_VENV)): real vLLM 0.23 code for the tests"
@@ -77,7 +93,7 @@ models: $(VLLM_VENV)/.stamp ## Build the sandbox's tiny test models (build/model
 	$(VLLM_PY) tests/fixtures/tiny_models.py --out build/models
 
 .PHONY: setup
-setup: venv wheelhouse vllm-venv wheel models ## Everything the sandbox deploy and the tests need
+setup: host-deps venv wheelhouse vllm-venv wheel models ## Everything the sandbox deploy and the tests need
 
 # ------------------------------------------------------------------------------------ the sandbox
 
