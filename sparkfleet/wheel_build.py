@@ -135,6 +135,13 @@ def _patch_entry_from_yaml(series_file: Path, raw: Any) -> PatchEntry:
     for path, hashes in (raw.get("files") or {}).items():
         if not isinstance(hashes, dict):
             raise WheelBuildError(f"{series_file}: {raw['file']}: files.{path} must map before/after")
+        for key in ("before", "after"):
+            value = hashes.get(key)
+            if value is not None and not (isinstance(value, str) and re.fullmatch(r"[0-9a-f]{64}", value)):
+                raise WheelBuildError(
+                    f"{series_file}: {raw['file']}: {path} {key}: {value!r} is not a 64-hex sha256: "
+                    "run `sparkfleet wheel refresh-series` instead of typing hashes"
+                )
         files[str(path)] = FileHashes(before=hashes.get("before"), after=hashes.get("after"))
     file_name = str(raw["file"])
     return PatchEntry(
