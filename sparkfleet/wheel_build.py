@@ -549,7 +549,8 @@ def _apply_one(tree: ScratchTree, series: Series, patch: PatchEntry, accept_unkn
     if not accept_unknown:
         raise WheelBuildError(
             f"{mismatch}: sha256 {current[mismatch]} is not the {befores[mismatch]} that {series.name}/"
-            f"{patch.file} expects: not a stock source; pass --accept-unknown-source to try it anyway"
+            f"{patch.file} expects: not a stock source (or a stale series.yml: run refresh-series); "
+            "pass --accept-unknown-source to try it anyway"
         )
     dry_run = run_patch(tree.root, patch_path, "-N", "--dry-run")
     if dry_run.returncode == 0:
