@@ -698,8 +698,7 @@ def supervisor_pid(host: Host) -> int | None:
     pid = read_pid(host.supervisor_pid_file)
     if pid is None or is_zombie(pid):
         return None
-    cmdline = process_cmdline(pid)
-    return pid if "_supervise" in cmdline and host.name in cmdline else None
+    return pid if process_cmdline(pid)[3:5] == [SUPERVISOR_NAME, host.name] else None
 
 
 def nspawn_pid(host: Host) -> int | None:
@@ -708,20 +707,24 @@ def nspawn_pid(host: Host) -> int | None:
     if pid is None or is_zombie(pid):
         return None
     cmdline = process_cmdline(pid)
-    if cmdline and Path(cmdline[0]).name == "systemd-nspawn" and host.name in cmdline:
+    if cmdline and Path(cmdline[0]).name == "systemd-nspawn" and f"--machine={host.name}" in cmdline:
         return pid
     return None
 
 
-def processes_rooted_in(directory: Path) -> list[int]:
-    """Pids whose root directory is ``directory`` (the container's processes)."""
+def processes_in_netns(netns: str) -> list[int]:
+    """Pids that live in the named network namespace (the container's processes)."""
+    try:
+        namespace_inode = os.stat(f"/run/netns/{netns}").st_ino
+    except FileNotFoundError:
+        return []
+    wanted = f"net:[{namespace_inode}]"
     pids = []
-    target = str(directory)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if os.readlink(entry / "root") == target:
+            if os.readlink(entry / "ns/net") == wanted:
                 pids.append(int(entry.name))
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
@@ -737,7 +740,7 @@ def fleet_processes() -> list[int]:
         cmdline = process_cmdline(int(entry.name))
         if not cmdline or is_zombie(int(entry.name)):
             continue
-        is_supervisor = "_supervise" in cmdline and any(arg.endswith("fleet.py") for arg in cmdline)
+        is_supervisor = cmdline[3:4] == [SUPERVISOR_NAME]
         is_nspawn = Path(cmdline[0]).name == "systemd-nspawn" and any(
             arg.startswith(f"--network-namespace-path=/run/netns/{NETNS_PREFIX}") for arg in cmdline
         )
@@ -848,10 +851,6 @@ def ensure_bridge() -> None:
     if f"{BRIDGE_ADDRESS}/24" not in addresses:
         run(["ip", "addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", BRIDGE])
     run(["ip", "link", "set", BRIDGE, "up"])
-    # Bridged frames must not be filtered by the controller's own firewall (br_netfilter).
-    nf_setting = Path("/proc/sys/net/bridge/bridge-nf-call-iptables")
-    if nf_setting.exists() and nf_setting.read_text().strip() == "1":
-        log(f"up: note: bridge-nf-call-iptables=1, the controller's firewall also filters {BRIDGE}")
 
 
 def ensure_host_network(host: Host) -> None:
@@ -891,14 +890,14 @@ def ensure_client_key() -> None:
         run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "sparkfleet-sandbox", "-f", CLIENT_KEY])
 
 
-def ssh_base_argv(host: Host, connect_timeout: int = 5) -> list[str]:
+def ssh_base_argv(host: Host, connect_timeout: int = 5, known_hosts: Path = KNOWN_HOSTS) -> list[str]:
     """ssh options for talking to host: the fleet key, the fleet's known_hosts, strict checking."""
     return [
         "ssh",
         "-i",
         str(CLIENT_KEY),
         "-o",
-        f"UserKnownHostsFile={KNOWN_HOSTS}",
+        f"UserKnownHostsFile={known_hosts}",
         "-o",
         "StrictHostKeyChecking=yes",
         "-o",
@@ -1039,6 +1038,38 @@ def provision_host_files(host: Host, fleet: Sequence[Host]) -> None:
         write_if_changed(root / "usr/bin/nvidia-smi", NVIDIA_SMI_FILE.read_bytes(), 0o755)
 
 
+# One host's supervisor (bash: ~4 MiB instead of a Python interpreter per host). It runs nspawn and
+# starts it again when the container asked for a reboot (exit 133), unless `down` is stopping it;
+# SIGTERM is passed on to nspawn, which turns it into an orderly poweroff of the container.
+# Arguments: NAME STATE_DIR NSPAWN_ARGV...
+SUPERVISOR_NAME = "sparkfleet-supervisor"
+SUPERVISOR_SCRIPT = r"""
+set -u
+name=$1 state=$2
+shift 2
+child=
+on_term() { : > "$state/stopping"; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null; }
+trap on_term TERM INT
+boot=0
+while :; do
+    boot=$((boot + 1))
+    echo "supervisor: $name: boot #$boot"
+    "$@" < /dev/null &
+    child=$!
+    echo "$child" > "$state/nspawn.pid"
+    wait "$child"; rc=$?
+    while kill -0 "$child" 2> /dev/null; do wait "$child"; rc=$?; done
+    if [ "$rc" -eq 133 ] && [ ! -e "$state/stopping" ]; then
+        echo "supervisor: $name: the container rebooted (exit 133), starting it again"
+        continue
+    fi
+    echo "supervisor: $name: the container exited (rc=$rc), supervisor exits"
+    rm -f "$state/nspawn.pid"
+    exit 0
+done
+"""
+
+
 def nspawn_argv(host: Host) -> list[str]:
     """The systemd-nspawn command that boots host."""
     argv = [
@@ -1057,43 +1088,6 @@ def nspawn_argv(host: Host) -> list[str]:
     if WHEELHOUSE_DIR.is_dir():
         argv.append(f"--bind-ro={WHEELHOUSE_DIR}:{HOST_WHEELHOUSE}")
     return argv
-
-
-def supervise(name: str) -> int:
-    """Run a host's nspawn; restart it when the container asks for a reboot (exit 133)."""
-    host = host_from_name(name)
-    child: subprocess.Popen[bytes] | None = None
-    stopping = False
-
-    def on_term(signal_number: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-        if child is not None and child.poll() is None:
-            child.send_signal(signal.SIGTERM)  # nspawn turns this into an orderly poweroff
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGINT, on_term)
-    boot = 0
-    while True:
-        boot += 1
-        print(f"supervisor: {name}: boot #{boot}: {shlex.join(nspawn_argv(host))}", flush=True)
-        child = subprocess.Popen(nspawn_argv(host), stdin=subprocess.DEVNULL)
-        host.nspawn_pid_file.write_text(f"{child.pid}\n")
-        while True:
-            try:
-                returncode = child.wait()
-                break
-            except InterruptedError:
-                continue
-        if returncode == REBOOT_EXIT_CODE and not stopping and not host.stop_flag.exists():
-            print(
-                f"supervisor: {name}: container rebooted (exit {returncode}), starting it again", flush=True
-            )
-            continue
-        print(f"supervisor: {name}: container exited (rc={returncode}), supervisor exits", flush=True)
-        with contextlib.suppress(FileNotFoundError):
-            host.nspawn_pid_file.unlink()
-        return 0
 
 
 def start_host(host: Host, fleet: Sequence[Host]) -> None:
@@ -1118,7 +1112,15 @@ def start_host(host: Host, fleet: Sequence[Host]) -> None:
         host.stop_flag.unlink()
     console = host.console_log.open("ab")
     supervisor = subprocess.Popen(
-        [sys.executable, str(Path(__file__).resolve()), "_supervise", host.name],
+        [
+            "bash",
+            "-c",
+            SUPERVISOR_SCRIPT,
+            SUPERVISOR_NAME,
+            host.name,
+            str(host.state_dir),
+            *nspawn_argv(host),
+        ],
         cwd=REPO_ROOT,
         stdin=subprocess.DEVNULL,
         stdout=console,
@@ -1151,7 +1153,7 @@ def stop_hosts(hosts: Sequence[Host], timeout: float = 20.0) -> list[str]:
         for pid in (nspawn_pid(host), supervisor_pid(host)):
             if pid is not None:
                 send_signal(pid, signal.SIGKILL)
-        leftovers = processes_rooted_in(host.merged)
+        leftovers = processes_in_netns(host.netns)
         for pid in leftovers:
             send_signal(pid, signal.SIGKILL)
         if leftovers:
@@ -1329,7 +1331,7 @@ def fleet_status() -> int:
             answered = ssh_run(host, "true", timeout=10, connect_timeout=2).returncode == 0
             ssh_state = "ok" if answered else "FAILED"
             healthy &= answered
-            pids = processes_rooted_in(host.merged) + [
+            pids = processes_in_netns(host.netns) + [
                 pid for pid in (supervisor_pid(host), nspawn_pid(host)) if pid is not None
             ]
             rss = sum(process_rss_bytes(pid) for pid in pids)
@@ -1350,7 +1352,9 @@ def fleet_exec(name: str, command: Sequence[str]) -> int:
         raise FleetError("exec needs a command: fleet.py exec spark-01 -- systemctl is-system-running")
     if not CLIENT_KEY.exists():
         raise FleetError("no fleet key yet: run `python3 tests/sandbox/fleet.py up` first")
-    return subprocess.run([*ssh_base_argv(host), "--", shlex.join(command)], check=False).returncode
+    # one argument is a shell command line (like ssh's); several are quoted one by one
+    remote = command[0] if len(command) == 1 else shlex.join(command)
+    return subprocess.run([*ssh_base_argv(host), "--", remote], check=False).returncode
 
 
 # --------------------------------------------------------------------------- command line
@@ -1388,8 +1392,6 @@ def parse_arguments(argv: Sequence[str]) -> Arguments:
     exec_parser = commands.add_parser("exec", help="run a command in a host over ssh: exec NAME -- CMD...")
     exec_parser.add_argument("name", help="host name, e.g. spark-01")
     exec_parser.add_argument("remote", nargs=argparse.REMAINDER, help="-- CMD...")
-    supervise_parser = commands.add_parser("_supervise")  # internal: one host's supervisor
-    supervise_parser.add_argument("name")
     namespace = parser.parse_args(argv)
     remote = list(getattr(namespace, "remote", []) or [])
     if remote[:1] == ["--"]:
@@ -1409,8 +1411,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: run one subcommand, print a one-line error on failure."""
     arguments = parse_arguments(sys.argv[1:] if argv is None else argv)
     try:
-        if arguments.command == "_supervise":
-            return supervise(arguments.name)
         if arguments.command == "status":
             return fleet_status()
         if arguments.command == "exec":
