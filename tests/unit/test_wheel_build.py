@@ -351,6 +351,8 @@ def test_pinned_sources_are_full_hashes_of_wheels() -> None:
     for pin in sources.values():
         assert len(pin["sha256"]) == 64 and int(pin["sha256"], 16) >= 0
         assert pin["filename"].endswith(".whl") and pin["platform"] in wheel_build.PLATFORMS
+        assert all(isinstance(arg, str) for arg in pin["pip_download"]), pin["pip_download"]
+        assert "--only-binary=:all:" in pin["pip_download"]
         assert wheel_build.source_platform(pin["requirement"].split("==")[0], "0.23.0") == pin["platform"]
 
 
