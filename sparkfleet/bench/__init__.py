@@ -64,6 +64,7 @@ def add_bench_subcommands(sub: Any) -> None:
     decode.add_argument("--max-tokens-scale", type=float, default=1.0, help="multiply every max_tokens")
     decode.add_argument("--max-requests", type=int, help="use only the first N requests of each workload")
     decode.add_argument("--repeats", type=int, default=1, help="run each workload N times (default 1)")
+    decode.add_argument("--ignore-eos", action="store_true", help="generate up to max_tokens (tiny models)")
     decode.set_defaults(func=run_with_errors, command=run_decode_command)
 
     e2e = sub.add_parser("e2e", help="albond's end-to-end tok/s (5 prompts, run 1 discarded)")
@@ -173,13 +174,14 @@ def run_decode_command(args: argparse.Namespace) -> int:
         "max_tokens_scale": args.max_tokens_scale,
         "max_requests": args.max_requests,
         "repeats": args.repeats,
+        "ignore_eos": args.ignore_eos,
         "concurrency": 1,
         "temperature": 0.0,
         "stream": True,
     }
     result = _new_result("decode", args, server, model, root, revision, settings)
     figures, details, cpu = run_decode_bench(
-        server, model, workloads, repeats=args.repeats, progress=not args.quiet
+        server, model, workloads, repeats=args.repeats, progress=not args.quiet, ignore_eos=args.ignore_eos
     )
     result.update(figures=figures, details=details, client_cpu=cpu)
     return _finish(result, args)

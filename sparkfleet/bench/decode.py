@@ -40,7 +40,7 @@ class TpotAgreement:
     request_mean_relative_difference: float | None
     requests_client: int
     requests_server: float
-    window_clean: bool  # the server finished exactly the client's requests in the window
+    window_clean: bool  # the server finished exactly the client's requests and tokens in the window
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -61,7 +61,8 @@ def tpot_agreement(
     tokens-after-first; server: ``vllm:request_decode_time_seconds_sum`` delta over
     ``vllm:generation_tokens_total`` delta minus finished requests). Secondary: the mean over
     requests of per-request TPOT, the client's against ``vllm:request_time_per_output_token_seconds``.
-    ``window_clean`` is False when other traffic reached the server during the window.
+    ``window_clean`` is False when other traffic reached the server during the window (the
+    server's finished requests or generated tokens differ from the client's).
     """
     decode_total = sum(c.decode_s or 0.0 for c in completions if c.completion_tokens >= 2)
     tokens_after_first = sum(c.completion_tokens - 1 for c in completions if c.completion_tokens >= 2)
@@ -83,7 +84,11 @@ def tpot_agreement(
         request_mean_relative_difference=_relative(client_request_mean, server_request_mean),
         requests_client=len(completions),
         requests_server=requests_server,
-        window_clean=server is not None and round(requests_server) == len(completions),
+        window_clean=(
+            server is not None
+            and round(requests_server) == len(completions)
+            and round(server.generation_tokens) == sum(c.completion_tokens for c in completions)
+        ),
     )
 
 
@@ -94,6 +99,7 @@ def run_workload(
     before: prom.MetricsSnapshot,
     repeats: int = 1,
     progress: bool = True,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run one workload sequentially after the scrape ``before``; return figures and details.
 
@@ -103,7 +109,7 @@ def run_workload(
     ids: list[str] = []
     for repeat in range(repeats):
         for request in workload.requests:
-            completion = server.stream_chat(model, request.messages, request.max_tokens)
+            completion = server.stream_chat(model, request.messages, request.max_tokens, extra=extra)
             completions.append(completion)
             ids.append(request.request_id if repeats == 1 else f"{request.request_id}#{repeat + 1}")
             if progress:
@@ -114,7 +120,9 @@ def run_workload(
                     file=sys.stderr,
                     flush=True,
                 )
-    after = prom.fetch_settled_metrics(server.base_url, before, len(completions))
+    after = prom.fetch_settled_metrics(
+        server.base_url, before, len(completions), sum(c.completion_tokens for c in completions)
+    )
     spec = prom.spec_decode_window(before, after)
     server_tpot = prom.server_tpot_window(before, after)
     agreement = tpot_agreement(completions, server_tpot)
@@ -156,13 +164,19 @@ def run_decode_bench(
     repeats: int = 1,
     warmup: bool = True,
     progress: bool = True,
+    ignore_eos: bool = False,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Run every workload; return (figures, details, client_cpu)."""
+    """Run every workload; return (figures, details, client_cpu).
+
+    ``ignore_eos`` (a vLLM request extension) makes every request generate max_tokens: for tiny
+    sandbox models that stop early; off for real measurements.
+    """
+    extra = {"ignore_eos": True} if ignore_eos else None
     snapshot = prom.fetch_metrics(server.base_url)
     if warmup and workloads and workloads[0].requests:
         first = workloads[0].requests[0]
-        server.stream_chat(model, first.messages, min(first.max_tokens, 16))
-        snapshot = prom.fetch_settled_metrics(server.base_url, snapshot, 1)
+        warm = server.stream_chat(model, first.messages, min(first.max_tokens, 16), extra=extra)
+        snapshot = prom.fetch_settled_metrics(server.base_url, snapshot, 1, warm.completion_tokens)
     figures: dict[str, Any] = {}
     details: dict[str, Any] = {"workloads": []}
     all_rates: list[float] = []
@@ -170,7 +184,9 @@ def run_decode_bench(
     server_windows: list[prom.ServerTpotWindow] = []
     with CpuMeter() as cpu:
         for workload in workloads:
-            outcome = run_workload(server, model, workload, snapshot, repeats=repeats, progress=progress)
+            outcome = run_workload(
+                server, model, workload, snapshot, repeats=repeats, progress=progress, extra=extra
+            )
             snapshot = outcome.pop("_after")
             rates = outcome.pop("_rates")
             completions = outcome.pop("_completions")

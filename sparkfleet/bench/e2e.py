@@ -54,7 +54,7 @@ def run_e2e_bench(
                     }
                 )
                 if before is not None:
-                    after = prom.fetch_settled_metrics(server.base_url, before, 1)
+                    after = prom.fetch_settled_metrics(server.base_url, before, 1, tokens)
                     spec = prom.spec_decode_window(before, after)
                     if spec is not None:
                         spec_seen = True

@@ -215,18 +215,25 @@ def fetch_metrics(base_url: str, timeout_s: float = 10.0) -> MetricsSnapshot:
 
 
 def fetch_settled_metrics(
-    base_url: str, before: MetricsSnapshot, expected_requests: int, settle_s: float = 3.0
+    base_url: str,
+    before: MetricsSnapshot,
+    expected_requests: int,
+    expected_generation_tokens: int = 0,
+    settle_s: float = 3.0,
 ) -> MetricsSnapshot:
-    """Scrape until ``expected_requests`` more requests finished than in ``before`` (or ``settle_s`` ends).
+    """Scrape until the window since ``before`` shows the expected finished requests and tokens.
 
     vLLM records a finished request's counters and histograms a moment after the client has
-    read its last byte, so a scrape right after the response can miss the last request.
+    read its last byte, so a scrape right after the response can miss the last request. Gives
+    up after ``settle_s`` and returns the last scrape (the caller's checks then flag the window).
     """
     deadline = time.monotonic() + settle_s
     while True:
         after = fetch_metrics(base_url)
         finished = after.total(REQUEST_SUCCESS) - before.total(REQUEST_SUCCESS)
-        if finished >= expected_requests or time.monotonic() >= deadline:
+        tokens = after.total(GENERATION_TOKENS) - before.total(GENERATION_TOKENS)
+        settled = finished >= expected_requests and tokens >= expected_generation_tokens
+        if settled or time.monotonic() >= deadline:
             return after
         time.sleep(0.05)
 

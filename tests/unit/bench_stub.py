@@ -1,0 +1,243 @@
+"""A tiny OpenAI-compatible HTTP server stub for the benchmark client tests (tests only).
+
+It streams ``tokens`` chunks with a fixed gap, after a fixed prefill delay, and keeps
+Prometheus counters and histograms the way vLLM names them, fed from its own timings, so the
+clients' arithmetic (decode window, acceptance length, TPOT agreement, run-1 discard) can be
+checked against known values. It records finished requests a moment after the response ends,
+as vLLM does, to exercise the clients' settle logic.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+
+
+class StubState:
+    """Counters the stub exposes on /metrics and what it saw."""
+
+    def __init__(
+        self,
+        token_gap_s: float,
+        prefill_s: float,
+        accepted_per_step: int,
+        draft_len: int,
+        first_run_extra_s: float,
+        record_delay_s: float,
+    ) -> None:
+        self.lock = threading.Lock()
+        self.token_gap_s = token_gap_s
+        self.prefill_s = prefill_s
+        self.accepted_per_step = accepted_per_step
+        self.draft_len = draft_len
+        self.first_run_extra_s = first_run_extra_s
+        self.record_delay_s = record_delay_s
+        self.seen_prompts: dict[str, int] = {}
+        self.max_tokens_seen: list[int] = []
+        self.bodies: list[dict[str, Any]] = []
+        self.counters = {
+            "success": 0.0,
+            "generation_tokens": 0.0,
+            "drafts": 0.0,
+            "draft_tokens": 0.0,
+            "accepted": 0.0,
+        }
+        self.per_pos = [0.0] * draft_len
+        self.hist: dict[str, dict[str, Any]] = {
+            name: {"buckets": [0.0] * (len(TPOT_BUCKETS) + 1), "sum": 0.0, "count": 0.0}
+            for name in (
+                "vllm:request_time_per_output_token_seconds",
+                "vllm:request_decode_time_seconds",
+                "vllm:inter_token_latency_seconds",
+            )
+        }
+        self.extra_requests = 0  # simulate foreign traffic: counted on /metrics, not sent by the client
+
+    def observe(self, name: str, value: float) -> None:
+        hist = self.hist[name]
+        for index, bound in enumerate(TPOT_BUCKETS):
+            if value <= bound:
+                hist["buckets"][index] += 1
+        hist["buckets"][-1] += 1
+        hist["sum"] += value
+        hist["count"] += 1
+
+    def record(self, tokens: int, first: float, last: float, gaps: list[float]) -> None:
+        with self.lock:
+            requests = 1 + self.extra_requests
+            self.counters["success"] += requests
+            self.counters["generation_tokens"] += tokens
+            decode = last - first
+            self.observe("vllm:request_decode_time_seconds", decode)
+            self.observe(
+                "vllm:request_time_per_output_token_seconds", decode / (tokens - 1) if tokens > 1 else 0.0
+            )
+            for gap in gaps:
+                self.observe("vllm:inter_token_latency_seconds", gap)
+            for _ in range(self.extra_requests):  # foreign requests: one token each
+                self.counters["generation_tokens"] += 1
+                self.observe("vllm:request_decode_time_seconds", 0.0)
+                self.observe("vllm:request_time_per_output_token_seconds", 0.0)
+            steps = max(1, (tokens - 1) // (self.accepted_per_step + 1))
+            self.counters["drafts"] += steps
+            self.counters["draft_tokens"] += steps * self.draft_len
+            self.counters["accepted"] += steps * self.accepted_per_step
+            for pos in range(min(self.accepted_per_step, self.draft_len)):
+                self.per_pos[pos] += steps
+
+    def metrics_text(self) -> str:
+        with self.lock:
+            labels = 'engine="0",model_name="stub"'
+            lines = [
+                "# HELP vllm:request_success_total Count of successfully processed requests.",
+                "# TYPE vllm:request_success_total counter",
+                f'vllm:request_success_total{{{labels},finished_reason="length"}} {self.counters["success"]}',
+                f'vllm:request_success_total{{{labels},finished_reason="stop"}} 0.0',
+                f"vllm:generation_tokens_total{{{labels}}} {self.counters['generation_tokens']}",
+                f"vllm:spec_decode_num_drafts_total{{{labels}}} {self.counters['drafts']}",
+                f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {self.counters['draft_tokens']}",
+                f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {self.counters['accepted']}",
+            ]
+            for pos, value in enumerate(self.per_pos):
+                lines.append(
+                    f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{pos}"}} {value}'
+                )
+            for name, hist in self.hist.items():
+                lines.append(f"# TYPE {name} histogram")
+                for bound, count in zip([*TPOT_BUCKETS, "+Inf"], hist["buckets"], strict=True):
+                    lines.append(f'{name}_bucket{{{labels},le="{bound}"}} {count}')
+                lines.append(f"{name}_sum{{{labels}}} {hist['sum']}")
+                lines.append(f"{name}_count{{{labels}}} {hist['count']}")
+            return "\n".join(lines) + "\n"
+
+
+def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:  # keep test output quiet
+            pass
+
+        def _send(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            if self.path == "/v1/models":
+                body = {
+                    "data": [{"id": "stub", "root": "/models/hub/models--org--stub/snapshots/" + "a" * 40}]
+                }
+                self._send(200, json.dumps(body).encode(), "application/json")
+            elif self.path == "/version":
+                self._send(200, b'{"version": "0.23.0+stub"}', "application/json")
+            elif self.path == "/metrics":
+                self._send(200, state.metrics_text().encode(), "text/plain; version=0.0.4")
+            else:
+                self._send(404, b"{}", "application/json")
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            state.bodies.append(body)
+            max_tokens = int(body["max_tokens"])
+            state.max_tokens_seen.append(max_tokens)
+            key = json.dumps(body["messages"], sort_keys=True)
+            with state.lock:
+                state.seen_prompts[key] = state.seen_prompts.get(key, 0) + 1
+                first_time = state.seen_prompts[key] == 1
+            if body.get("temperature") != 0.0:
+                self._send(400, b'{"error": "stub wants temperature 0"}', "application/json")
+                return
+            tokens = max_tokens
+            time.sleep(state.prefill_s + (state.first_run_extra_s if first_time else 0.0))
+            if body.get("stream"):
+                self._stream(tokens)
+            else:
+                first = time.perf_counter()
+                time.sleep(state.token_gap_s * (tokens - 1))
+                last = time.perf_counter()
+                payload = {
+                    "choices": [{"message": {"content": "x" * tokens}, "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 5, "completion_tokens": tokens},
+                }
+                self._send(200, json.dumps(payload).encode(), "application/json")
+                self._record_later(tokens, first, last, [state.token_gap_s] * (tokens - 1))
+
+        def _chunk(self, data: str) -> None:
+            raw = f"data: {data}\n\n".encode()
+            self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
+            self.wfile.flush()
+
+        def _stream(self, tokens: int) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            times = []
+            self._chunk(
+                json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            )
+            times.append(time.perf_counter())
+            for index in range(tokens):
+                if index:
+                    time.sleep(state.token_gap_s)
+                finish = "length" if index == tokens - 1 else None
+                self._chunk(
+                    json.dumps(
+                        {"choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": finish}]}
+                    )
+                )
+                times.append(time.perf_counter())
+            self._chunk(
+                json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": tokens}})
+            )
+            self._chunk("[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+            gaps = [b - a for a, b in zip(times[1:], times[2:], strict=False)]
+            self._record_later(tokens, times[0], times[-1], gaps)
+
+        def _record_later(self, tokens: int, first: float, last: float, gaps: list[float]) -> None:
+            timer = threading.Timer(state.record_delay_s, state.record, args=(tokens, first, last, gaps))
+            timer.daemon = True
+            timer.start()
+
+    return Handler
+
+
+class StubServer:
+    """Context manager running the stub on 127.0.0.1 on a free port."""
+
+    def __init__(
+        self,
+        token_gap_s: float = 0.004,
+        prefill_s: float = 0.05,
+        accepted_per_step: int = 2,
+        draft_len: int = 3,
+        first_run_extra_s: float = 0.0,
+        record_delay_s: float = 0.05,
+    ) -> None:
+        self.state = StubState(
+            token_gap_s, prefill_s, accepted_per_step, draft_len, first_run_extra_s, record_delay_s
+        )
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(self.state))
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def __enter__(self) -> StubServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()

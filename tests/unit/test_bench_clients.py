@@ -1,0 +1,197 @@
+"""Decode and e2e client logic against a local HTTP stub (tests/unit/bench_stub.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sparkfleet.bench import main as bench_main
+from sparkfleet.bench import results as res
+from sparkfleet.bench.decode import run_decode_bench, tpot_agreement
+from sparkfleet.bench.e2e import run_e2e_bench
+from sparkfleet.bench.http_client import OpenAIServer, StreamedCompletion
+from sparkfleet.bench.metrics import ServerTpotWindow
+from sparkfleet.bench.workloads import BenchRequest, Workload, load_workload
+from tests.unit.bench_stub import StubServer
+
+GAP_S = 0.004
+
+
+def one_request_workload(name: str, tokens: int, count: int = 2) -> Workload:
+    requests = [
+        BenchRequest(f"{name}-{i}", [{"role": "user", "content": f"{name} {i}"}], tokens)
+        for i in range(count)
+    ]
+    return Workload(name=name, description="test", requests=requests)
+
+
+def test_streamed_completion_arithmetic() -> None:
+    completion = StreamedCompletion(
+        request_start=10.0,
+        first_token=10.5,
+        last_token=12.5,
+        completion_tokens=101,
+        prompt_tokens=7,
+        finish_reason="length",
+    )
+    assert completion.ttft_s == pytest.approx(0.5)
+    assert completion.decode_s == pytest.approx(2.0)
+    assert completion.decode_tok_s == pytest.approx(50.0)  # 100 tokens after the first in 2 s
+    assert completion.tpot_s == pytest.approx(0.02)
+    single = StreamedCompletion(10.0, 10.5, 10.5, 1, 7, "stop")
+    assert single.decode_tok_s is None and single.tpot_s is None
+
+
+def test_tpot_agreement_exact_arithmetic() -> None:
+    completions = [
+        StreamedCompletion(0.0, 1.0, 2.0, 11, 5, "length"),  # 10 tokens after first in 1.0 s
+        StreamedCompletion(0.0, 1.0, 4.0, 31, 5, "length"),  # 30 tokens in 3.0 s
+    ]
+    server = ServerTpotWindow(
+        requests=2,
+        request_tpot_mean_s=0.105,
+        request_tpot_median_s=None,
+        inter_token_mean_s=None,
+        decode_time_s=4.2,
+        generation_tokens=42,
+    )
+    agreement = tpot_agreement(completions, server)
+    assert agreement.client_tpot_s == pytest.approx(4.0 / 40)
+    assert agreement.server_tpot_s == pytest.approx(4.2 / 40)
+    assert agreement.relative_difference == pytest.approx((0.1 - 0.105) / 0.105)
+    assert agreement.client_request_tpot_mean_s == pytest.approx(0.1)
+    assert agreement.request_mean_relative_difference == pytest.approx((0.1 - 0.105) / 0.105)
+    assert agreement.window_clean
+    foreign = ServerTpotWindow(3, 0.07, None, None, 4.2, 43)
+    assert not tpot_agreement(completions, foreign).window_clean
+    assert tpot_agreement(completions, None).relative_difference is None
+
+
+def test_decode_excludes_prefill_and_reads_acceptance() -> None:
+    # prefill 0.3 s would halve a naive tokens/total-time figure; decode-only must ignore it
+    with StubServer(token_gap_s=GAP_S, prefill_s=0.3, accepted_per_step=3, draft_len=4) as stub:
+        server = OpenAIServer(stub.base_url)
+        workloads = [one_request_workload("w1", 41), one_request_workload("w2", 21)]
+        figures, details, cpu = run_decode_bench(server, "stub", workloads, progress=False)
+    assert figures["decode_tok_s_median[w1]"] == pytest.approx(1 / GAP_S, rel=0.35)
+    assert figures["decode_tok_s_median[w1]"] > 2 * 40 / (0.3 + 40 * GAP_S)
+    assert figures["acceptance_length[w1]"] == pytest.approx(4.0)
+    assert figures["acceptance_rate[w1]"] == pytest.approx(0.75)
+    w1 = details["workloads"][0]
+    assert w1["spec_decode"]["per_position_acceptance"] == pytest.approx([1.0, 1.0, 1.0, 0.0])
+    assert w1["tpot_agreement"]["window_clean"]  # the warm-up request stayed outside the window
+    assert w1["tpot_agreement"]["requests_server"] == 2
+    assert all(r["ttft_s"] >= 0.3 for r in w1["per_request"])
+    assert abs(figures["tpot_relative_difference"]) < 0.25  # loopback stub: same intervals both sides
+    assert 0.0 <= figures["client_cpu_share"] == cpu["share"]
+    assert cpu["wall_s"] > 0
+    # every request was streamed at temperature 0 with usage requested
+    assert all(
+        b["stream"] and b["temperature"] == 0.0 and b["stream_options"] == {"include_usage": True}
+        for b in stub.state.bodies
+    )
+
+
+def test_decode_flags_foreign_traffic_in_the_window() -> None:
+    with StubServer(token_gap_s=GAP_S, prefill_s=0.01) as stub:
+        stub.state.extra_requests = 1
+        figures, details, _ = run_decode_bench(
+            OpenAIServer(stub.base_url), "stub", [one_request_workload("w", 11)], warmup=False, progress=False
+        )
+    assert not details["workloads"][0]["tpot_agreement"]["window_clean"]
+
+
+def test_e2e_discards_run_one_and_scales_max_tokens() -> None:
+    workload = load_workload("albond_e2e", max_tokens_scale=0.125)
+    assert [r.max_tokens for r in workload.requests] == [32, 64, 128, 8, 256]
+    with StubServer(token_gap_s=0.001, prefill_s=0.01, first_run_extra_s=0.4) as stub:
+        figures, details, _ = run_e2e_bench(OpenAIServer(stub.base_url), "stub", workload, progress=False)
+    assert stub.state.max_tokens_seen == [32, 32, 64, 64, 128, 128, 8, 8, 256, 256]
+    assert all(body["stream"] is False and body["temperature"] == 0.0 for body in stub.state.bodies)
+    for prompt in details["prompts"]:
+        run1, run2 = prompt["runs"]
+        assert run1["discarded"] and not run2["discarded"]
+        assert run1["wall_s"] > run2["wall_s"] + 0.3  # the slow first run is not what is reported
+        assert prompt["tok_s"] == pytest.approx(run2["completion_tokens"] / run2["wall_s"])
+    rates = [p["tok_s"] for p in details["prompts"]]
+    assert figures["e2e_tok_s"] == pytest.approx(sum(rates) / 5)
+    assert figures["e2e_tok_s[e2e-5]"] == rates[4]
+    assert figures["acceptance_length"] == pytest.approx(3.0)  # stub default: 2 accepted per step
+
+
+def test_cli_writes_result_and_fails_on_regression(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    workload_file = tmp_path / "tiny.json"
+    workload_file.write_text(
+        json.dumps(
+            {
+                "name": "tiny",
+                "requests": [{"id": "t1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 21}],
+            }
+        )
+    )
+    with StubServer(token_gap_s=GAP_S, prefill_s=0.01) as stub:
+        common = [
+            "decode",
+            "--base-url",
+            stub.base_url,
+            "--workloads",
+            str(workload_file),
+            "--quiet",
+            "--profile",
+            "dflash",
+            "--host-label",
+            "spark-test",
+            "--drafter-revision",
+            "b" * 40,
+        ]
+        passing = bench_main(
+            [
+                *common,
+                "--out",
+                str(tmp_path / "ok.json"),
+                "--baselines",
+                '{"decode_tok_s_median": 1.0}',
+                "--tolerance-pct",
+                "5",
+            ]
+        )
+        failing = bench_main(
+            [
+                *common,
+                "--out",
+                str(tmp_path / "bad.json"),
+                "--baselines",
+                '{"decode_tok_s_median[tiny]": 1000000}',
+            ]
+        )
+    assert (passing, failing) == (0, 1)
+    out = capsys.readouterr().out
+    assert "REGRESSION" in out and "decode_tok_s_median[tiny]" in out
+    result = res.load_result(tmp_path / "ok.json")
+    assert result["host"] == "spark-test" and result["profile"] == "dflash"
+    assert result["model"] == {"served_name": "stub", "root": result["model"]["root"], "revision": "a" * 40}
+    assert result["drafter"]["revision"] == "b" * 40
+    assert result["vllm_version"] == "0.23.0+stub"
+    assert result["utc_time"].endswith("Z")
+    assert result["comparison"]["passed"] is True
+    assert res.load_result(tmp_path / "bad.json")["comparison"]["passed"] is False
+
+
+def test_cli_bad_inputs_give_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_main(["decode", "--base-url", "ftp://x", "--out", str(tmp_path)]) == 2
+    assert "is not http(s)://HOST:PORT" in capsys.readouterr().err
+    assert bench_main(["e2e", "--base-url", "http://127.0.0.1:1", "--out", str(tmp_path)]) == 2
+    assert "is a server listening at http://127.0.0.1:1" in capsys.readouterr().err
+    with StubServer() as stub:
+        assert (
+            bench_main(
+                ["decode", "--base-url", stub.base_url, "--workloads", "nosuch", "--out", str(tmp_path)]
+            )
+            == 2
+        )
+    assert "workload 'nosuch' not found" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing written on a failed run
