@@ -166,7 +166,6 @@ def run_serving_bench(
         before = prom.fetch_metrics(base_url)
         with CpuMeter(include_children=True) as cpu:
             completed = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
-        after = prom.fetch_metrics(base_url)
         result_path = Path(result_dir) / result_filename
         if completed.returncode != 0 or not result_path.is_file():
             tail = (completed.stderr or completed.stdout or "").strip().splitlines()[-5:]
@@ -175,6 +174,7 @@ def run_serving_bench(
             )
         data = json.loads(result_path.read_text(encoding="utf-8"))
     figures = figures_from_vllm_result(data)
+    after = prom.fetch_settled_metrics(base_url, before, int(data.get("completed") or 0))
     spec = prom.spec_decode_window(before, after)
     if spec is not None:
         figures["acceptance_length"] = spec.acceptance_length

@@ -20,10 +20,7 @@ GAP_S = 0.004
 
 
 def one_request_workload(name: str, tokens: int, count: int = 2) -> Workload:
-    requests = [
-        BenchRequest(f"{name}-{i}", [{"role": "user", "content": f"{name} {i}"}], tokens)
-        for i in range(count)
-    ]
+    requests = [BenchRequest(f"{name}-{i}", [{"role": "user", "content": f"{name} {i}"}], tokens) for i in range(count)]
     return Workload(name=name, description="test", requests=requests)
 
 
@@ -70,20 +67,20 @@ def test_tpot_agreement_exact_arithmetic() -> None:
 
 
 def test_decode_excludes_prefill_and_reads_acceptance() -> None:
-    # prefill 0.3 s would halve a naive tokens/total-time figure; decode-only must ignore it
-    with StubServer(token_gap_s=GAP_S, prefill_s=0.3, accepted_per_step=3, draft_len=4) as stub:
+    # prefill 0.15 s is about half the request: a tokens/total-time figure would drop to ~1/2
+    with StubServer(token_gap_s=GAP_S, prefill_s=0.15, accepted_per_step=3, draft_len=4) as stub:
         server = OpenAIServer(stub.base_url)
         workloads = [one_request_workload("w1", 41), one_request_workload("w2", 21)]
         figures, details, cpu = run_decode_bench(server, "stub", workloads, progress=False)
     assert figures["decode_tok_s_median[w1]"] == pytest.approx(1 / GAP_S, rel=0.35)
-    assert figures["decode_tok_s_median[w1]"] > 2 * 40 / (0.3 + 40 * GAP_S)
+    assert figures["decode_tok_s_median[w1]"] > 1.5 * 40 / (0.15 + 40 * GAP_S)
     assert figures["acceptance_length[w1]"] == pytest.approx(4.0)
     assert figures["acceptance_rate[w1]"] == pytest.approx(0.75)
     w1 = details["workloads"][0]
     assert w1["spec_decode"]["per_position_acceptance"] == pytest.approx([1.0, 1.0, 1.0, 0.0])
     assert w1["tpot_agreement"]["window_clean"]  # the warm-up request stayed outside the window
     assert w1["tpot_agreement"]["requests_server"] == 2
-    assert all(r["ttft_s"] >= 0.3 for r in w1["per_request"])
+    assert all(r["ttft_s"] >= 0.15 for r in w1["per_request"])
     assert abs(figures["tpot_relative_difference"]) < 0.25  # loopback stub: same intervals both sides
     assert 0.0 <= figures["client_cpu_share"] == cpu["share"]
     assert cpu["wall_s"] > 0
@@ -106,14 +103,14 @@ def test_decode_flags_foreign_traffic_in_the_window() -> None:
 def test_e2e_discards_run_one_and_scales_max_tokens() -> None:
     workload = load_workload("albond_e2e", max_tokens_scale=0.125)
     assert [r.max_tokens for r in workload.requests] == [32, 64, 128, 8, 256]
-    with StubServer(token_gap_s=0.001, prefill_s=0.01, first_run_extra_s=0.4) as stub:
+    with StubServer(token_gap_s=0.001, prefill_s=0.01, first_run_extra_s=0.2) as stub:
         figures, details, _ = run_e2e_bench(OpenAIServer(stub.base_url), "stub", workload, progress=False)
     assert stub.state.max_tokens_seen == [32, 32, 64, 64, 128, 128, 8, 8, 256, 256]
     assert all(body["stream"] is False and body["temperature"] == 0.0 for body in stub.state.bodies)
     for prompt in details["prompts"]:
         run1, run2 = prompt["runs"]
         assert run1["discarded"] and not run2["discarded"]
-        assert run1["wall_s"] > run2["wall_s"] + 0.3  # the slow first run is not what is reported
+        assert run1["wall_s"] > run2["wall_s"] + 0.15  # the slow first run is not what is reported
         assert prompt["tok_s"] == pytest.approx(run2["completion_tokens"] / run2["wall_s"])
     rates = [p["tok_s"] for p in details["prompts"]]
     assert figures["e2e_tok_s"] == pytest.approx(sum(rates) / 5)
@@ -121,9 +118,7 @@ def test_e2e_discards_run_one_and_scales_max_tokens() -> None:
     assert figures["acceptance_length"] == pytest.approx(3.0)  # stub default: 2 accepted per step
 
 
-def test_cli_writes_result_and_fails_on_regression(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cli_writes_result_and_fails_on_regression(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     workload_file = tmp_path / "tiny.json"
     workload_file.write_text(
         json.dumps(
@@ -187,11 +182,6 @@ def test_cli_bad_inputs_give_one_line_errors(tmp_path: Path, capsys: pytest.Capt
     assert bench_main(["e2e", "--base-url", "http://127.0.0.1:1", "--out", str(tmp_path)]) == 2
     assert "is a server listening at http://127.0.0.1:1" in capsys.readouterr().err
     with StubServer() as stub:
-        assert (
-            bench_main(
-                ["decode", "--base-url", stub.base_url, "--workloads", "nosuch", "--out", str(tmp_path)]
-            )
-            == 2
-        )
+        assert bench_main(["decode", "--base-url", stub.base_url, "--workloads", "nosuch", "--out", str(tmp_path)]) == 2
     assert "workload 'nosuch' not found" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing written on a failed run

@@ -1,0 +1,131 @@
+"""The `vllm bench serve` wrapper: argument list, result parsing, /metrics acceptance, failures.
+
+bench_data/vllm-bench-serve-0.23.0-result.json is the --save-result JSON of a real
+`vllm bench serve` 0.23.0 run (16 ShareGPT prompts, tiny-qwen3 with ngram speculation), with the
+per-request lists removed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparkfleet.bench import serving
+from sparkfleet.bench.http_client import OpenAIServer
+from tests.unit.bench_stub import StubServer
+
+RECORDED = json.loads((Path(__file__).parent / "bench_data" / "vllm-bench-serve-0.23.0-result.json").read_text())
+
+# Stands in for vLLM's CLI: checks the flags it gets and writes the recorded result where told.
+FAKE_VLLM = """
+import json, sys, pathlib
+argv = sys.argv[1:]
+assert argv[:2] == ["bench", "serve"], argv
+flag = lambda name: argv[argv.index(name) + 1]
+assert flag("--max-concurrency") == "8" and flag("--temperature") == "0" and flag("--dataset-name") == "sharegpt"
+if flag("--num-prompts") == "13":
+    print("Traceback: boom", file=sys.stderr)
+    sys.exit(3)
+pathlib.Path(flag("--result-dir"), flag("--result-filename")).write_text(sys.stdin.read() or RECORDED)
+"""
+
+
+def test_argv_uses_vllm_flags_and_chat_endpoint() -> None:
+    argv = serving.build_serve_argv(
+        vllm_command=["vllm"],
+        base_url="http://h:8000",
+        model="/m",
+        served_model_name="qwen",
+        dataset_path="d.json",
+        result_dir="/tmp/r",
+        result_filename="x.json",
+        tokenizer="/tok",
+        output_len=256,
+    )
+    assert argv[:3] == ["vllm", "bench", "serve"]
+    pairs = dict(zip(argv[3::1], argv[4::1], strict=False))
+    assert pairs["--backend"] == "openai-chat" and pairs["--endpoint"] == "/v1/chat/completions"
+    assert pairs["--max-concurrency"] == "8" and pairs["--temperature"] == "0"
+    assert pairs["--dataset-name"] == "sharegpt" and pairs["--dataset-path"] == "d.json"
+    assert pairs["--sharegpt-output-len"] == "256" and pairs["--tokenizer"] == "/tok"
+    assert "--save-result" in argv
+    completions = serving.build_serve_argv(
+        vllm_command=["vllm"],
+        base_url="u",
+        model="m",
+        served_model_name="s",
+        dataset_path="d",
+        result_dir="r",
+        result_filename="f",
+        backend="vllm",
+    )
+    assert completions[completions.index("--endpoint") + 1] == "/v1/completions"
+    with pytest.raises(serving.ServingBenchError, match="backend 'tgi'"):
+        serving.build_serve_argv(
+            vllm_command=["v"],
+            base_url="u",
+            model="m",
+            served_model_name="s",
+            dataset_path="d",
+            result_dir="r",
+            result_filename="f",
+            backend="tgi",
+        )
+
+
+def test_figures_from_recorded_result() -> None:
+    figures = serving.figures_from_vllm_result(RECORDED)
+    assert figures["serving_output_tok_s"] == RECORDED["output_throughput"]
+    assert figures["serving_ttft_ms_median"] == RECORDED["median_ttft_ms"]
+    assert figures["serving_tpot_ms_p99"] == RECORDED["p99_tpot_ms"]
+    assert figures["serving_itl_ms_p99"] == RECORDED["p99_itl_ms"]
+    assert figures["serving_completed"] == 16
+    with pytest.raises(serving.ServingBenchError, match="--save-result"):
+        serving.figures_from_vllm_result({"date": "x"})
+
+
+def test_run_adds_acceptance_from_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(f"RECORDED = {json.dumps(json.dumps(RECORDED))}\n" + FAKE_VLLM)
+    original_run = serving.subprocess.run
+    with StubServer(accepted_per_step=1, draft_len=3) as stub:
+
+        def run_with_traffic(*args: Any, **kwargs: Any) -> Any:
+            # one speculative request inside the /metrics window, as the real client would send
+            OpenAIServer(stub.base_url).chat("stub", [{"role": "user", "content": "x"}], 9)
+            return original_run(*args, **kwargs)
+
+        monkeypatch.setattr(serving.subprocess, "run", run_with_traffic)
+        figures, details, cpu = serving.run_serving_bench(
+            base_url=stub.base_url,
+            model="/m",
+            served_model_name="stub",
+            dataset_path=str(script),
+            vllm_command=[sys.executable, str(script)],
+        )
+    assert figures["serving_output_tok_s"] == RECORDED["output_throughput"]
+    assert figures["acceptance_length"] == pytest.approx(2.0)  # stub: 1 of 3 drafted tokens accepted
+    assert figures["acceptance_rate"] == pytest.approx(1 / 3)
+    assert details["spec_decode"]["per_position_acceptance"] == pytest.approx([1.0, 0.0, 0.0])
+    assert cpu["includes_children"] is True and cpu["cpu_s"] > 0
+    assert "ttfts" not in details["vllm_result"]
+
+
+def test_failed_run_reports_exit_code_and_tail(tmp_path: Path) -> None:
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(f"RECORDED = {json.dumps(json.dumps(RECORDED))}\n" + FAKE_VLLM)
+    with StubServer() as stub, pytest.raises(serving.ServingBenchError, match="exited 3 .*boom"):
+        serving.run_serving_bench(
+            base_url=stub.base_url,
+            model="/m",
+            served_model_name="stub",
+            dataset_path=str(script),
+            num_prompts=13,
+            vllm_command=[sys.executable, str(script)],
+        )
+    with pytest.raises(serving.ServingBenchError, match="dataset 'nope.json' not found"):
+        serving.run_serving_bench(base_url="http://x", model="m", served_model_name="s", dataset_path="nope.json")
