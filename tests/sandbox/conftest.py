@@ -75,9 +75,7 @@ def wanted_host_count() -> int:
     """SPARKFLEET_SANDBOX_HOSTS (default 3), checked."""
     raw = os.environ.get("SPARKFLEET_SANDBOX_HOSTS", "3")
     if not raw.isdigit() or not 1 <= int(raw) <= fleet.MAX_HOSTS:
-        raise pytest.UsageError(
-            f"SPARKFLEET_SANDBOX_HOSTS={raw!r}: use a whole number from 1 to {fleet.MAX_HOSTS}"
-        )
+        raise pytest.UsageError(f"SPARKFLEET_SANDBOX_HOSTS={raw!r}: use a whole number from 1 to {fleet.MAX_HOSTS}")
     return int(raw)
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 # Bump when the rootfs configuration or the apt repo layout written by this script changes:
 # it is part of the cache stamps, so the next run rebuilds what it must.
-ROOTFS_SCRIPT_VERSION = "1"
+ROOTFS_SCRIPT_VERSION = "2"
 APTREPO_SCRIPT_VERSION = "1"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -307,15 +307,29 @@ def debian_mirror() -> AptSource:
 
 # --------------------------------------------------------------------------- rootfs
 
-# Debootstrap's "I: <Verb> ..." lines, shown once per phase.
-DEBOOTSTRAP_PHASES = {
-    "Retrieving": "downloading",
-    "Resolving": "resolving dependencies",
-    "Extracting": "extracting",
-    "Installing": "installing core packages",
-    "Unpacking": "unpacking",
-    "Configuring": "configuring",
-}
+DEBOOTSTRAP_INDEX_FILES = ("InRelease", "Release", "Release.gpg", "Packages")
+
+
+def debootstrap_phase(line: str) -> str | None:
+    """The phase a debootstrap ``I: ...`` output line belongs to (None for other lines)."""
+    words = line[3:].split() if line.startswith("I: ") else []
+    if not words:
+        return None
+    verb = words[0]
+    if verb == "Retrieving":
+        return "downloading the index" if words[1:2] and words[1] in DEBOOTSTRAP_INDEX_FILES else "downloading"
+    if verb in (
+        "Unpacking",
+        "Configuring",
+    ):  # "... required packages", "... the base system", not "... libc6"
+        return " ".join(words[:4]).lower().rstrip(".") if words[1:2] in (["required"], ["the"]) else None
+    return {
+        "Resolving": "resolving dependencies",
+        "Extracting": "extracting",
+        "Installing": "installing the core packages",
+        "Base": "base system installed",
+    }.get(verb)
+
 
 SSHD_SANDBOX_CONFIG = """\
 # sparkfleet sandbox host: key-only root login, one per-host ed25519 host key (made by fleet.py up)
@@ -352,12 +366,10 @@ def run_debootstrap(target: Path, packages: Sequence[str], mirror: AptSource, lo
         assert process.stdout is not None
         for line in process.stdout:
             log_file.write(line)
-            if line.startswith("I: "):
-                verb = line[3:].split(" ", 1)[0]
-                phase = DEBOOTSTRAP_PHASES.get(verb)
-                if phase and phase != last_phase:
-                    log(f"rootfs: debootstrap: {phase}")
-                    last_phase = phase
+            phase = debootstrap_phase(line)
+            if phase and phase != last_phase:
+                log(f"rootfs: debootstrap: {phase}")
+                last_phase = phase
         returncode = process.wait()
     if returncode != 0:
         tail = log_path.read_text().strip().splitlines()[-1:]
@@ -381,6 +393,13 @@ def configure_rootfs(root: Path) -> None:
     with contextlib.suppress(FileNotFoundError):
         (root / "var/lib/dbus/machine-id").unlink()
     (root / "etc/hostname").write_text("sandbox\n")
+    # no DNS in the sandbox (debootstrap copied the controller's resolv.conf); peers are in /etc/hosts
+    resolv_conf = root / "etc/resolv.conf"
+    if resolv_conf.is_symlink():
+        resolv_conf.unlink()
+    resolv_conf.write_text("# sparkfleet sandbox host: no DNS; fleet peers are in /etc/hosts\n")
+    # apt's daily timers would only find the offline repo, and would hold the dpkg lock under Ansible
+    run(["chroot", root, "systemctl", "disable", "apt-daily.timer", "apt-daily-upgrade.timer"])
     for mount_point in (HOST_WHEELHOUSE, HOST_APT_REPO):
         (root / mount_point.lstrip("/")).mkdir(parents=True, exist_ok=True)
     root_ssh = root / "root/.ssh"
@@ -553,9 +572,7 @@ def build_aptrepo(force: bool = False) -> bool:
         run([*apt_get, "install", "--download-only", "--yes", *packages])
     debs = sorted(archives.glob("*.deb"))
     if not debs:
-        raise FleetError(
-            "apt-get downloaded no package: are they all in the rootfs already? check packages.txt"
-        )
+        raise FleetError("apt-get downloaded no package: are they all in the rootfs already? check packages.txt")
     building = SANDBOX_DIR / "apt.building"
     if building.exists():
         shutil.rmtree(building)
@@ -595,6 +612,10 @@ class Host:
     @property
     def address(self) -> str:
         return f"{SUBNET}.{HOST_ADDRESS_OFFSET + self.index}"
+
+    @property
+    def mac_address(self) -> str:
+        return f"02:73:66:00:00:{self.index:02x}"  # locally administered; 73:66 = "sf"
 
     @property
     def netns(self) -> str:
@@ -858,7 +879,14 @@ def ensure_host_network(host: Host) -> None:
     if host.netns not in list_netns():
         run(["ip", "netns", "add", host.netns])
     if host.veth not in list_links():
-        run(["ip", "link", "add", host.veth, "type", "veth", "peer", "name", "eth0", "netns", host.netns])
+        # eth0 gets a fixed MAC (like a real NIC): neighbour caches stay right across restarts
+        run(
+            [
+                *("ip", "link", "add", host.veth, "type", "veth"),
+                *("peer", "name", "eth0", "address", host.mac_address, "netns", host.netns),
+            ]
+        )
+    run(["ip", "neigh", "flush", "to", host.address, "dev", BRIDGE], check=False)
     run(["ip", "link", "set", host.veth, "master", BRIDGE, "up"])
     inside = ["ip", "-n", host.netns]
     run([*inside, "link", "set", "lo", "up"])
@@ -1180,9 +1208,7 @@ def wait_until_ready(host: Host, deadline: float) -> str:
             raise FleetError(f"{host.name}: the container exited while booting; see {host.console_log}")
         remaining = max(1.0, deadline - time.monotonic())
         try:
-            completed = ssh_run(
-                host, "systemctl is-system-running --wait", timeout=remaining, connect_timeout=2
-            )
+            completed = ssh_run(host, "systemctl is-system-running --wait", timeout=remaining, connect_timeout=2)
         except subprocess.TimeoutExpired:
             break
         state = completed.stdout.strip()
@@ -1200,9 +1226,24 @@ def wait_until_ready(host: Host, deadline: float) -> str:
     )
 
 
+def mounted_hosts() -> list[str]:
+    """Names of the hosts whose overlay is mounted (they use the rootfs)."""
+    return [Host(index).name for index in sorted(known_host_indexes()) if is_mounted(Host(index).merged)]
+
+
+def rootfs_is_current() -> bool:
+    """Whether the rootfs exists and matches packages.txt and this script."""
+    return read_stamp(ROOTFS_DIR / ".sparkfleet-rootfs-stamp") == rootfs_stamp(read_package_sections())
+
+
+def aptrepo_is_current() -> bool:
+    """Whether the apt repo exists and matches packages.txt, the rootfs and this script."""
+    return read_stamp(APT_REPO_DIR / ".sparkfleet-aptrepo-stamp") == aptrepo_stamp(read_package_sections())
+
+
 def refuse_while_hosts_run(action: str) -> None:
     """The rootfs is the hosts' lower layer: it must not change under running hosts."""
-    live = [Host(index).name for index in sorted(known_host_indexes()) if is_mounted(Host(index).merged)]
+    live = mounted_hosts()
     if live:
         raise FleetError(f"cannot {action} while hosts use it ({', '.join(live)}): run `fleet.py down` first")
 
@@ -1213,8 +1254,12 @@ def fleet_up(host_count: int, timeout: float = 90.0) -> list[Host]:
         raise FleetError(f"--hosts {host_count} is out of range: use 1 to {MAX_HOSTS}")
     require_root_and_tools("systemd-nspawn", "ip", "ssh", "ssh-keygen", "mount")
     started = time.monotonic()
-    build_rootfs()
-    build_aptrepo()
+    if mounted_hosts() and not (rootfs_is_current() and aptrepo_is_current()):
+        # the lower layer must not change under running hosts: keep using it until the next down/up
+        log("up: note: the rootfs or apt repo is out of date; it is rebuilt at the next `down` + `up`")
+    else:
+        build_rootfs()
+        build_aptrepo()
     fleet = [Host(index) for index in range(1, host_count + 1)]
     extra = [Host(index) for index in sorted(known_host_indexes()) if index > host_count]
     extra_running = [host for host in extra if host_is_running(host) or is_mounted(host.merged)]
@@ -1381,9 +1426,7 @@ def parse_arguments(argv: Sequence[str]) -> Arguments:
     rootfs.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
     aptrepo = commands.add_parser("aptrepo", help="build the local apt repo the offline hosts use (cached)")
     aptrepo.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
-    up = commands.add_parser(
-        "up", help="boot spark-01..spark-NN (stops hosts beyond NN, keeping their state)"
-    )
+    up = commands.add_parser("up", help="boot spark-01..spark-NN (stops hosts beyond NN, keeping their state)")
     up.add_argument("--hosts", type=int, default=3, help="number of hosts (default 3)")
     up.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for the hosts (default 90)")
     down = commands.add_parser("down", help="stop every host, remove mounts, namespaces, links, processes")
