@@ -1342,6 +1342,13 @@ def fleet_down(purge: bool = False) -> None:
         if netns.startswith(NETNS_PREFIX):
             run(["ip", "netns", "del", netns], check=False)
             done.append(f"deleted netns {netns}")
+    netns_dir = Path("/run/netns")
+    if netns_dir.is_dir() and not any(netns_dir.iterdir()):
+        # `ip netns add` made /run/netns a mount point of its own; with no namespace left, undo it
+        if run(["umount", netns_dir], check=False).returncode == 0:
+            done.append("/run/netns unmounted")
+        with contextlib.suppress(OSError):
+            netns_dir.rmdir()
     if BRIDGE in list_links():
         run(["ip", "link", "del", BRIDGE])
         done.append(f"bridge {BRIDGE} removed")

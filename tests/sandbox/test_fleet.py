@@ -259,7 +259,7 @@ def leftovers() -> dict[str, list[str]]:
     """Everything of the fleet that is still on this machine."""
     links = fleet.list_links()
     return {
-        "mounts": fleet.mounts_under(fleet.SANDBOX_DIR),
+        "mounts": fleet.mounts_under(fleet.SANDBOX_DIR) + fleet.mounts_under(Path("/run/netns")),
         "netns": [name for name in fleet.list_netns() if name.startswith(fleet.NETNS_PREFIX)],
         "links": [name for name in links if name == fleet.BRIDGE or name.startswith(fleet.VETH_PREFIX)],
         "processes": [" ".join(fleet.process_cmdline(pid))[:80] for pid in fleet.fleet_processes()],
