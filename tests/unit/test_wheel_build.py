@@ -126,15 +126,11 @@ def test_refresh_series_adds_patch_with_summary_and_hashes(series: tuple[Path, P
     (entry,) = data["patches"]
     assert entry["name"] == "0001-thing"
     assert entry["summary"] == "Thing: add a line"
-    assert entry["files"] == {
-        "vllm/utils/thing.py": {"before": sha(STOCK_THING), "after": sha(PATCHED_THING)}
-    }
+    assert entry["files"] == {"vllm/utils/thing.py": {"before": sha(STOCK_THING), "after": sha(PATCHED_THING)}}
     cpu_data = yaml.safe_load((cpu / "series.yml").read_text())
     assert cpu_data["platforms"] == ["cpu"]
     assert cpu_data["metadata"]["dist_name"] == "vllm"  # kept through the rewrite
-    assert cpu_data["patches"][0]["files"]["vllm/utils/cpu_triton_utils.py"]["after"] == sha(
-        PATCHED_CPU_UTILS
-    )
+    assert cpu_data["patches"][0]["files"]["vllm/utils/cpu_triton_utils.py"]["after"] == sha(PATCHED_CPU_UTILS)
 
 
 def test_cpu_build_renames_dist_and_rewrites_metadata(tmp_path: Path, series: tuple[Path, Path]) -> None:
@@ -256,9 +252,7 @@ def test_hash_mismatch_is_refused_in_one_line_and_writes_nothing(
     assert not out.exists()
 
 
-def test_accept_unknown_source_applies_and_records_actual_hashes(
-    tmp_path: Path, series: tuple[Path, Path]
-) -> None:
+def test_accept_unknown_source_applies_and_records_actual_hashes(tmp_path: Path, series: tuple[Path, Path]) -> None:
     other = STOCK_THING.replace("line 25\n", "line 25 (a custom build)\n")
     source, digest = make_wheel(tmp_path / "src", thing=other)
     wheel = build(source, digest, series, tmp_path / "out", accept_unknown_source=True)
@@ -276,9 +270,7 @@ def test_accept_unknown_source_still_refuses_a_patch_that_does_not_apply(
 ) -> None:
     other = STOCK_THING.replace("line 9\n", "line nine\n").replace("line 11\n", "line eleven\n")
     source, digest = make_wheel(tmp_path / "src", thing=other)
-    with pytest.raises(
-        wheel_build.WheelBuildError, match="0001-thing.patch does not apply to vllm/utils/thing.py"
-    ):
+    with pytest.raises(wheel_build.WheelBuildError, match="0001-thing.patch does not apply to vllm/utils/thing.py"):
         build(source, digest, series, tmp_path / "out", accept_unknown_source=True)
     assert not (tmp_path / "out").exists()
 
@@ -292,9 +284,7 @@ def test_already_applied_patch_is_detected_and_skipped(tmp_path: Path, series: t
         assert archive.read("vllm/utils/thing.py").decode() == PATCHED_THING
 
 
-def test_gpu_source_gets_main_series_only_and_keeps_its_name(
-    tmp_path: Path, series: tuple[Path, Path]
-) -> None:
+def test_gpu_source_gets_main_series_only_and_keeps_its_name(tmp_path: Path, series: tuple[Path, Path]) -> None:
     main, _ = series
     source, digest = make_wheel(tmp_path / "src", cpu=False)
     wheel = build(source, digest, series, tmp_path / "out")
@@ -360,3 +350,32 @@ def test_repo_series_are_complete() -> None:
     """Every patch file in files/patches is listed in its series.yml with hashes."""
     for directory in wheel_build.DEFAULT_SERIES:
         wheel_build.check_series_complete(wheel_build.load_series(directory))
+
+
+def test_cpu_source_always_gets_a_cpu_series(
+    tmp_path: Path, series: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--series <main>` alone still renames a CPU wheel: the default CPU series is added."""
+    main, cpu = series
+    monkeypatch.setattr(wheel_build, "DEFAULT_CPU_SERIES", cpu)
+    source, digest = make_wheel(tmp_path / "src")
+    wheel = wheel_build.build_wheel(
+        str(source), sha256=digest, series_dirs=[main], out_dir=tmp_path / "out", cache_dir=tmp_path / "c"
+    )
+    assert wheel.name.startswith("vllm-0.23.0+sf") and ".cpu-" in wheel.name
+    with zipfile.ZipFile(wheel) as archive:
+        assert archive.read("vllm/utils/cpu_triton_utils.py").decode() == PATCHED_CPU_UTILS
+
+
+def test_patch_summary_reads_a_comment_or_a_format_patch_subject(tmp_path: Path) -> None:
+    diff = make_diff("vllm/x.py", "a\n", "b\n", "ignored")
+    commented = tmp_path / "0001-a.patch"
+    commented.write_text("\n# KV: unify the page size\n# because...\n" + diff.split("\n", 3)[3])
+    assert wheel_build.patch_summary(commented) == "KV: unify the page size"
+    mail = tmp_path / "0002-b.patch"
+    mail.write_text(
+        "From 0123456789abcdef Mon Sep 17 00:00:00 2001\nFrom: A <a@example.org>\n"
+        "Subject: [PATCH 2/4] INC: hybrid FP8\n\nbody\n" + diff.split("\n", 3)[3]
+    )
+    assert wheel_build.patch_summary(mail) == "INC: hybrid FP8"
+    assert wheel_build.touched_paths(mail) == ["vllm/x.py"]
