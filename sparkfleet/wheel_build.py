@@ -615,16 +615,23 @@ def plan_build(source: SourceReader, series_list: list[Series], accept_unknown: 
 
 def local_version(source_version: str, patchset: str, platform: str) -> str:
     public, _, local = source_version.partition("+")
-    parts = [patchset] + [p for p in re.split(r"[._-]", local) if p]
+    # An `sf<hex>` part is an earlier sparkfleet build's (a patched wheel used as the source).
+    kept = [p for p in re.split(r"[._-]", local) if p and not re.fullmatch(r"sf[0-9a-f]+", p)]
+    parts = [patchset, *kept]
     if platform == "cpu" and not any("cpu" in p for p in parts):
         parts.append("cpu")
     return f"{public}+{'.'.join(parts)}"
 
 
 def rewrite_metadata(
-    metadata: bytes, dist_name: str, version: str, requires_dist: list[dict[str, str]]
+    metadata: bytes,
+    dist_name: str,
+    version: str,
+    requires_dist: list[dict[str, str]],
+    already_patched: bool = False,
 ) -> tuple[bytes, list[str]]:
-    """METADATA with Name/Version set and Requires-Dist rewritten; every step must match."""
+    """METADATA with Name/Version set and Requires-Dist rewritten; every step must match, unless
+    the source is itself a sparkfleet build (already_patched), whose steps may have been done."""
     text = metadata.decode("utf-8")
     head, separator, body = text.partition("\n\n")
     changes: list[str] = []
@@ -648,7 +655,7 @@ def rewrite_metadata(
                     changes.append(f"Requires-Dist {lines[index][len('Requires-Dist: ') :]} -> {step['to']}")
                     lines[index] = new_line
     for step, count in zip(requires_dist, hits, strict=True):
-        if count == 0:
+        if count == 0 and not already_patched:
             raise WheelBuildError(
                 f"metadata step requires_dist: no Requires-Dist line has {step['from']!r}: "
                 "fix the step in series.yml or use the source it was written for"
@@ -985,7 +992,10 @@ def build_wheel(
     try:
         plan = plan_build(reader, applied, accept_unknown_source)
         metadata_in = reader.read(f"{source.dist_info}/METADATA") or b""
-        metadata_out, metadata_changes = rewrite_metadata(metadata_in, dist_name, version, requires_steps)
+        already_patched = reader.read(PATCHSET_MODULE) is not None
+        metadata_out, metadata_changes = rewrite_metadata(
+            metadata_in, dist_name, version, requires_steps, already_patched
+        )
         for change in metadata_changes:
             say(f"metadata: {change}")
         results = plan.results

@@ -389,3 +389,37 @@ def test_patch_summary_reads_a_comment_or_a_format_patch_subject(tmp_path: Path)
     )
     assert wheel_build.patch_summary(mail) == "INC: hybrid FP8"
     assert wheel_build.touched_paths(mail) == ["vllm/x.py"]
+
+
+def test_refresh_keeps_edited_summaries_and_refuses_a_patch_that_does_not_apply(
+    tmp_path: Path, series: tuple[Path, Path]
+) -> None:
+    main, _ = series
+    series_file = main / "series.yml"
+    series_file.write_text(series_file.read_text().replace("Thing: add a line", "Thing: a better summary"))
+    stock, _ = make_wheel(tmp_path / "stock2")
+    assert wheel_build.main(["refresh-series", str(main), "--source", str(stock)]) == 0
+    assert "Thing: a better summary" in series_file.read_text()
+    kept = series_file.read_text()
+    broken = make_diff("vllm/utils/thing.py", "no such\ncontext\n", "at all\n", "Broken: never applies")
+    (main / "0002-broken.patch").write_text(broken)
+    with pytest.raises(wheel_build.WheelBuildError, match="0002-broken.patch does not apply on top of"):
+        wheel_build.refresh_series(main, str(stock), None, [])
+    assert series_file.read_text() == kept
+
+
+def test_a_patched_wheel_as_source_is_recognized_as_already_patched(
+    tmp_path: Path, series: tuple[Path, Path]
+) -> None:
+    source, digest = make_wheel(tmp_path / "src")
+    first = build(source, digest, series, tmp_path / "out")
+    again = build(first, sha(first.read_bytes()), series, tmp_path / "out2")
+    assert again.name == first.name  # no second sf part in the version
+    manifest = json.loads(wheel_build.manifest_path(again).read_text())
+    assert [p["status"] for p in manifest["patches"]] == ["already-applied", "already-applied"]
+    with zipfile.ZipFile(first) as one, zipfile.ZipFile(again) as two:
+        assert sorted(one.namelist()) == sorted(two.namelist())
+        for name in one.namelist():
+            if name != "vllm/_sparkfleet_patchset.py" and not name.endswith("RECORD"):
+                assert one.read(name) == two.read(name), name
+    assert wheel_build.verify_wheel(again, list(series)) == []
