@@ -1,0 +1,375 @@
+"""Render benchmark results (``results/*.json``) into a Markdown report with PNG plots.
+
+    sparkfleet report --results results/ --out results/report.md
+
+Sections per host and profile (the latest decode, e2e and serving run each, with tables and
+bar charts), each run's baseline verdicts, plots over time where a host/profile has several runs
+of a kind, and a cross-host comparison per profile. Plots are PNG files written next to the
+report (``<report stem>_plots/``) by a small pure-Python renderer (``sparkfleet.bench.png_charts``):
+no plotting package is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from sparkfleet.bench import png_charts
+from sparkfleet.bench.results import ResultError, load_result
+
+HEADLINE = {"decode": "decode_tok_s_median", "e2e": "e2e_tok_s", "serving": "serving_output_tok_s"}
+HEADLINE_LABEL = {
+    "decode": "decode-only tok/s (median)",
+    "e2e": "end-to-end tok/s (albond method, mean)",
+    "serving": "output tok/s at conc 8 (vllm bench serve)",
+}
+
+
+def load_all(results_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every valid result in ``results_dir`` (sorted by time) and one line per file skipped."""
+    if not results_dir.is_dir():
+        raise ResultError(f"results directory {results_dir} does not exist; run `sparkfleet bench` first")
+    loaded, skipped = [], []
+    for path in sorted(results_dir.glob("*.json")):
+        try:
+            result = load_result(path)
+        except ResultError as exc:
+            skipped.append(str(exc))
+            continue
+        result["_file"] = path.name
+        loaded.append(result)
+    loaded.sort(key=lambda r: r["utc_time"])
+    return loaded, skipped
+
+
+def slug(*parts: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", "_".join(parts)).strip("-").lower()
+
+
+def fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int | float):
+        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def pct(value: float | None) -> str:
+    return "–" if value is None else f"{value * 100:+.1f}%"
+
+
+def short_time(utc: str) -> str:
+    return utc[5:16].replace("T", " ")  # MM-DD HH:MM
+
+
+class ReportWriter:
+    """Collects Markdown lines and writes PNGs into the plot directory."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.plot_dir = out.parent / f"{out.stem}_plots"
+        self.lines: list[str] = []
+        self.plots: list[Path] = []
+
+    def add(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def plot(self, name: str, png: bytes, alt: str) -> None:
+        self.plot_dir.mkdir(parents=True, exist_ok=True)
+        path = self.plot_dir / f"{name}.png"
+        path.write_bytes(png)
+        self.plots.append(path)
+        self.add(f"![{alt}]({self.plot_dir.name}/{path.name})", "")
+
+    def write(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text("\n".join(self.lines) + "\n", encoding="utf-8")
+
+
+def identity_lines(result: dict[str, Any]) -> list[str]:
+    model = result.get("model") or {}
+    drafter = result.get("drafter") or {}
+    cpu = result.get("client_cpu") or {}
+    return [
+        f"- run: {result['utc_time']} (`{result['_file']}`), vLLM {fmt(result.get('vllm_version'))}, "
+        f"patch set {fmt(result.get('patch_set'))}",
+        f"- model {fmt(model.get('served_name'))} revision {fmt(model.get('revision'))}; "
+        f"drafter revision {fmt(drafter.get('revision'))}",
+        f"- client CPU share {fmt(cpu.get('share'))} "
+        f"({fmt(cpu.get('cpu_s'))} CPU s over {fmt(cpu.get('wall_s'))} s wall)",
+    ]
+
+
+def comparison_lines(result: dict[str, Any]) -> list[str]:
+    comparison = result.get("comparison")
+    if not comparison:
+        return ["- baselines: none given for this run"]
+    verdict = "PASS" if comparison["passed"] else "FAIL"
+    lines = [f"- baselines ({comparison['tolerance_pct']:g}% tolerance): **{verdict}**"]
+    lines += [f"  - {check['reason']}" for check in comparison["checks"]]
+    return lines
+
+
+def decode_section(report: ReportWriter, result: dict[str, Any], key: str) -> None:
+    workloads = result["details"].get("workloads", [])
+    report.add(
+        "| workload | requests | median tok/s | acceptance length | acceptance rate | TTFT median s "
+        "| TPOT client vs server | window clean |",
+        "|---|---|---|---|---|---|---|---|",
+    )
+    for workload in workloads:
+        spec = workload.get("spec_decode") or {}
+        agreement = workload.get("tpot_agreement") or {}
+        report.add(
+            f"| {workload['name']} | {workload['requests']} | {fmt(workload['decode_tok_s_median'])} | "
+            f"{fmt(spec.get('acceptance_length'))} | {fmt(spec.get('acceptance_rate'))} | "
+            f"{fmt(workload.get('ttft_s_median'))} | {pct(agreement.get('relative_difference'))} | "
+            f"{fmt(agreement.get('window_clean'))} |"
+        )
+    overall = result["details"].get("tpot_agreement") or {}
+    report.add(
+        "",
+        f"All requests: median {fmt(result['figures'].get('decode_tok_s_median'))} tok/s; client TPOT "
+        f"{fmt(overall.get('client_tpot_s'))} s vs server {fmt(overall.get('server_tpot_s'))} s "
+        f"({pct(overall.get('relative_difference'))}, server figure from "
+        "vllm:request_decode_time_seconds and vllm:generation_tokens_total over the same window).",
+        "",
+    )
+    if workloads:
+        names = [w["name"] for w in workloads]
+        report.plot(
+            f"{key}-decode",
+            png_charts.bar_chart(
+                f"Decode-only tok/s - {result['host']} / {result.get('profile') or '-'}",
+                names,
+                [("median tok/s", [w["decode_tok_s_median"] for w in workloads])],
+                "TOK/S, MEDIAN PER WORKLOAD",
+            ),
+            "decode tok/s per workload",
+        )
+        lengths = [(w.get("spec_decode") or {}).get("acceptance_length") for w in workloads]
+        if any(length is not None for length in lengths):
+            report.plot(
+                f"{key}-acceptance",
+                png_charts.bar_chart(
+                    f"Mean acceptance length - {result['host']} / {result.get('profile') or '-'}",
+                    names,
+                    [("1 + accepted/drafts", lengths)],
+                    "TOKENS PER VERIFY STEP",
+                ),
+                "acceptance length per workload",
+            )
+
+
+def e2e_section(report: ReportWriter, result: dict[str, Any], key: str) -> None:
+    prompts = result["details"].get("prompts", [])
+    report.add(
+        "| prompt | max_tokens | completion tokens | wall s (run 2) | tok/s |", "|---|---|---|---|---|"
+    )
+    for prompt in prompts:
+        report.add(
+            f"| {prompt['id']} | {prompt['max_tokens']} | {prompt['completion_tokens']} | "
+            f"{fmt(prompt['wall_s'])} | {fmt(prompt['tok_s'])} |"
+        )
+    report.add(
+        "",
+        f"Mean over prompts: **{fmt(result['figures'].get('e2e_tok_s'))} tok/s**"
+        + (
+            f", acceptance length {fmt(result['figures']['acceptance_length'])}"
+            if "acceptance_length" in result["figures"]
+            else ""
+        )
+        + ".",
+        "",
+    )
+    if prompts:
+        report.plot(
+            f"{key}-e2e",
+            png_charts.bar_chart(
+                f"End-to-end tok/s (albond) - {result['host']} / {result.get('profile') or '-'}",
+                [f"{p['id']} ({p['max_tokens']})" for p in prompts],
+                [("tok/s incl. prefill", [p["tok_s"] for p in prompts])],
+                "TOK/S PER PROMPT (MAX_TOKENS)",
+            ),
+            "e2e tok/s per prompt",
+        )
+
+
+def serving_section(report: ReportWriter, result: dict[str, Any], key: str) -> None:
+    figures = result["figures"]
+    settings = result.get("settings") or {}
+    report.add(
+        f"{fmt(settings.get('num_prompts'))} prompts of {fmt(settings.get('dataset'))} at concurrency "
+        f"{fmt(settings.get('max_concurrency'))}: {fmt(figures.get('serving_completed'))} completed, "
+        f"{fmt(figures.get('serving_failed'))} failed; "
+        f"output {fmt(figures.get('serving_output_tok_s'))} tok/s, "
+        f"{fmt(figures.get('serving_request_throughput'))} req/s.",
+        "",
+        "| ms | mean | median | p99 |",
+        "|---|---|---|---|",
+    )
+    for metric in ("ttft", "tpot", "itl"):
+        cells = [fmt(figures.get(f"serving_{metric}_ms_{stat}")) for stat in ("mean", "median", "p99")]
+        report.add(f"| {metric.upper()} | " + " | ".join(cells) + " |")
+    spec = result["details"].get("spec_decode")
+    report.add("")
+    if spec:
+        report.add(
+            f"Speculative decoding: acceptance rate {fmt(spec['acceptance_rate'])}, mean acceptance length "
+            f"{fmt(spec['acceptance_length'])}, per position "
+            + ", ".join(fmt(p, 2) for p in spec["per_position_acceptance"])
+            + ".",
+            "",
+        )
+        if spec["per_position_acceptance"]:
+            report.plot(
+                f"{key}-per-position",
+                png_charts.bar_chart(
+                    f"Per-position acceptance at conc 8 - {result['host']} / {result.get('profile') or '-'}",
+                    [str(i + 1) for i in range(len(spec["per_position_acceptance"]))],
+                    [("accepted / drafts", spec["per_position_acceptance"])],
+                    "FRACTION OF DRAFTS ACCEPTED AT DRAFT POSITION",
+                ),
+                "per-position acceptance",
+            )
+
+
+SECTIONS = {"decode": decode_section, "e2e": e2e_section, "serving": serving_section}
+
+
+def over_time(report: ReportWriter, runs: list[dict[str, Any]], kind: str, key: str) -> None:
+    headline = "all requests" if kind == "decode" else HEADLINE[kind]
+    series: list[tuple[str, list[float | None]]] = [
+        (headline, [r["figures"].get(HEADLINE[kind]) for r in runs])
+    ]
+    if kind == "decode":
+        names = sorted(
+            {
+                n[len("decode_tok_s_median[") : -1]
+                for r in runs
+                for n in r["figures"]
+                if n.startswith("decode_tok_s_median[")
+            }
+        )
+        series += [
+            (name, [r["figures"].get(f"decode_tok_s_median[{name}]") for r in runs]) for name in names[:6]
+        ]
+    report.plot(
+        f"{key}-{kind}-over-time",
+        png_charts.line_chart(
+            f"{kind} over time - {runs[0]['host']} / {runs[0].get('profile') or '-'}",
+            [short_time(r["utc_time"]) for r in runs],
+            series,
+            HEADLINE_LABEL[kind].upper(),
+        ),
+        f"{kind} over time",
+    )
+
+
+def build_report(results_dir: Path, out: Path) -> ReportWriter:
+    results, skipped = load_all(results_dir)
+    report = ReportWriter(out)
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    report.add(
+        "# sparkfleet benchmark report",
+        "",
+        f"Generated {now} from {len(results)} result file(s) in `{results_dir.name}/`.",
+        "",
+    )
+    if skipped:
+        report.add("Skipped files:", *[f"- {line}" for line in skipped], "")
+    if not results:
+        report.add("No results yet: run `sparkfleet bench decode|e2e|serving` (or `make bench`).")
+        return report
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for result in results:
+        groups[(result["host"], result.get("profile") or "-")].append(result)
+
+    report.add(
+        "## Summary (latest run of each kind)",
+        "",
+        "| host | profile | kind | headline | value | baselines | time |",
+        "|---|---|---|---|---|---|---|",
+    )
+    for (host, profile), runs in sorted(groups.items()):
+        for kind in ("decode", "e2e", "serving"):
+            of_kind = [r for r in runs if r["kind"] == kind]
+            if of_kind:
+                latest = of_kind[-1]
+                comparison = latest.get("comparison")
+                verdict = "–" if not comparison else ("pass" if comparison["passed"] else "**FAIL**")
+                report.add(
+                    f"| {host} | {profile} | {kind} | {HEADLINE_LABEL[kind]} | "
+                    f"{fmt(latest['figures'].get(HEADLINE[kind]))} | {verdict} | {latest['utc_time']} |"
+                )
+    report.add("")
+
+    for (host, profile), runs in sorted(groups.items()):
+        key = slug(host, profile)
+        report.add(f"## {host} / {profile}", "")
+        for kind in ("decode", "e2e", "serving"):
+            of_kind = [r for r in runs if r["kind"] == kind]
+            if not of_kind:
+                continue
+            latest = of_kind[-1]
+            report.add(f"### {kind}", "", *identity_lines(latest), *comparison_lines(latest), "")
+            SECTIONS[kind](report, latest, f"{key}-{kind}")
+            if len(of_kind) > 1:
+                over_time(report, of_kind, kind, key)
+
+    by_profile: dict[str, dict[str, dict[str, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
+    for result in results:  # sorted by time: the last assignment is the latest
+        by_profile[result.get("profile") or "-"][result["kind"]][result["host"]] = result
+    comparisons = [
+        (p, k, hosts)
+        for p, kinds in sorted(by_profile.items())
+        for k, hosts in sorted(kinds.items())
+        if len(hosts) > 1
+    ]
+    if comparisons:
+        report.add("## Across hosts (latest run each)", "")
+        for profile, kind, hosts in comparisons:
+            names = sorted(hosts)
+            report.plot(
+                slug("hosts", profile, kind),
+                png_charts.bar_chart(
+                    f"{kind} by host - profile {profile}",
+                    names,
+                    [(HEADLINE[kind], [hosts[h]["figures"].get(HEADLINE[kind]) for h in names])],
+                    HEADLINE_LABEL[kind].upper(),
+                ),
+                f"{kind} by host for {profile}",
+            )
+    return report
+
+
+def run_report_command(args: argparse.Namespace) -> int:
+    try:
+        report = build_report(Path(args.results), Path(args.out))
+    except ResultError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report.write()
+    print(f"wrote {args.out} with {len(report.plots)} plot(s) in {report.plot_dir}")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``sparkfleet report`` (CLI contract of sparkfleet.cli)."""
+    parser = subparsers.add_parser(
+        "report", help="render results/*.json into a Markdown report with PNG plots"
+    )
+    parser.add_argument(
+        "--results", default="results", help="directory of result JSON files (default results)"
+    )
+    parser.add_argument(
+        "--out", default="results/report.md", help="Markdown file to write (default results/report.md)"
+    )
+    parser.set_defaults(func=run_report_command)
