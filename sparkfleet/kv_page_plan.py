@@ -1,0 +1,621 @@
+"""KV-cache page-size planner: will vLLM 0.23 unify a hybrid target's KV cache with its drafter's?
+
+From the target's and the drafter's ``config.json`` and the speculative config, this predicts what
+vLLM 0.23 does with the KV cache of a hybrid Gated-DeltaNet target (Qwen3.5, Qwen3.5-MoE,
+Qwen3-Next) plus a speculative drafter (DFlash, EAGLE, draft model), stock or with patch
+``files/patches/vllm-0.23.0/0001-kv-page-size-unify.patch``. It loads no weights and imports neither
+vllm nor torch (stdlib only), so it runs on the Ansible controller and inside a custom module.
+
+It follows vLLM 0.23's own steps, figure for figure:
+
+1. Hybrid block alignment (``Platform._align_hybrid_block_size``, vllm/platforms/interface.py): the
+   attention block is the smallest multiple of the kernel alignment whose page (block x attention bytes
+   per token) holds one GDN state (conv state with ``conv_kernel - 1 + num_speculative_tokens``
+   columns plus the SSM state); the GDN page is padded up to that attention page. Patched, the block
+   step also makes the page a whole number of kernel-aligned drafter blocks.
+2. Page-size unification (``unify_kv_cache_spec_page_size``, vllm/v1/core/kv_cache_utils.py). Stock
+   rescales every layer whose page is not the largest by an integer block-size ratio; a GDN page does
+   not depend on block size, so the largest page must not be an attention page. Patched, the GDN page
+   is the common page and attention blocks are fitted to it exactly (never padded).
+3. The model runner's kernel block (``select_common_block_size``, vllm/v1/worker/utils.py) and its KV
+   view (``_reshape_kv_cache_tensors``, gpu_model_runner.py): a padded attention page is viewed with
+   one page stride per kernel block, which overruns the buffer when the kernel block is smaller than
+   the spec's block.
+
+``plan()`` is the entry point for Python and Ansible callers; ``sparkfleet kv-plan`` is the CLI.
+tests/vllm/test_kv_unify_real.py checks every figure against the real vLLM 0.23 functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Bytes per element of the dtype names vLLM accepts for the model, the KV cache and the mamba state.
+DTYPE_BYTES: dict[str, int] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "float32": 4,
+    "float": 4,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+MAMBA_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+# Hybrid GDN architectures whose mamba state this planner models. The Qwen3.5 ones take their SSM
+# state dtype from the config's `mamba_ssm_dtype` when --mamba-ssm-cache-dtype is "auto"
+# (Qwen3_5ForConditionalGenerationConfig in vllm/model_executor/models/config.py).
+GDN_ARCHITECTURES = {
+    "Qwen3_5ForConditionalGeneration": True,
+    "Qwen3_5MoeForConditionalGeneration": True,
+    "Qwen3NextForCausalLM": False,
+}
+
+# Kernel block sizes an attention backend accepts: ints are exact sizes, ("multiple", b) means any
+# multiple of b. FLASH_ATTN drops to [16, 32, 64] for hybrid models with a float32 mamba state (NaN
+# propagation, see flash_attn.py get_supported_kernel_block_sizes).
+KernelSize = int | tuple[str, int]
+BACKENDS = ("FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "CPU_ATTN")
+PLATFORMS = ("cuda", "cpu")
+DEFAULT_BLOCK_SIZE = 16  # CacheConfig.DEFAULT_BLOCK_SIZE, what FLASH_ATTN prefers on CUDA
+CPU_DEFAULT_BLOCK_SIZE = 128  # CpuPlatform.check_and_update_config
+
+
+class KVPlanInputError(ValueError):
+    """A config or option the planner cannot read; the message names the value and the fix."""
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """KV geometry of one attention layer (after tensor-parallel split)."""
+
+    num_kv_heads: int
+    head_size: int
+    num_layers: int
+
+    def bytes_per_token(self, kv_bytes: int) -> int:
+        """FullAttentionSpec(block_size=1).page_size_bytes: K and V, every head."""
+        return 2 * self.num_kv_heads * self.head_size * kv_bytes
+
+
+@dataclass(frozen=True)
+class GDNGeometry:
+    """Gated-DeltaNet (linear attention) state geometry, as MambaStateShapeCalculator sees it."""
+
+    num_layers: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    def page_bytes(self, num_speculative_tokens: int, conv_bytes: int, ssm_bytes: int, tp: int) -> int:
+        """MambaSpec(shapes, dtypes).page_size_bytes for gated_delta_net_state_shape."""
+        conv_dim = self.key_head_dim * self.num_key_heads * 2 + self.value_head_dim * self.num_value_heads
+        conv_columns = self.conv_kernel - 1 + num_speculative_tokens
+        conv_state = _divide(conv_dim, tp, "GDN conv dim") * conv_columns * conv_bytes
+        ssm_state = (
+            _divide(self.num_value_heads, tp, "linear_num_value_heads")
+            * self.value_head_dim
+            * self.key_head_dim
+            * ssm_bytes
+        )
+        return conv_state + ssm_state
+
+
+@dataclass(frozen=True)
+class TargetModel:
+    """What the planner reads from the target's config.json."""
+
+    architecture: str
+    dtype: str
+    attention: AttentionGeometry
+    gdn: GDNGeometry | None
+    mamba_ssm_dtype: str | None  # the config's own `mamba_ssm_dtype`, if any
+
+
+@dataclass(frozen=True)
+class DrafterModel:
+    """What the planner reads from the drafter's config.json."""
+
+    label: str
+    architecture: str
+    attention: AttentionGeometry
+    sliding_window: int | None
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The predicted outcome for one (target, drafter, num_speculative_tokens, stock|patched)."""
+
+    ok: bool
+    reason: str
+    patched: bool
+    num_speculative_tokens: int
+    drafter: str | None
+    attention_block_size: int | None  # the target's attention block (cache_config.block_size)
+    drafter_block_size: int | None  # the drafter's attention block after unification
+    page_size_bytes: int | None  # the common page of every KV cache group
+    mamba_page_size_bytes: int | None  # the GDN state page before padding
+    padding_pct: float  # how much the GDN page is padded to reach the common page
+    kernel_block_sizes: dict[str, int] = field(default_factory=dict)
+    failure_stage: str | None = None  # "alignment", "unify", "kernel" or "view"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise KVPlanInputError(
+            f"{what} {numerator} is not divisible by tensor_parallel_size {denominator}; "
+            "pick a tensor-parallel size that divides it"
+        )
+    return numerator // denominator
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    text = config.get("text_config")
+    return text if isinstance(text, dict) else config
+
+
+def _require_int(config: dict[str, Any], key: str, where: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise KVPlanInputError(f"{where}: `{key}` is {value!r}; it must be a positive integer")
+    return value
+
+
+def _architecture(config: dict[str, Any], where: str) -> str:
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or not archs or not isinstance(archs[0], str):
+        raise KVPlanInputError(f"{where}: `architectures` is {archs!r}; expected a list like ['DFlashDraftModel']")
+    return archs[0]
+
+
+def _config_dtype(config: dict[str, Any], text: dict[str, Any]) -> str:
+    for source in (text, config):
+        for key in ("dtype", "torch_dtype"):
+            value = source.get(key)
+            if isinstance(value, str) and value in DTYPE_BYTES:
+                return "bfloat16" if value == "float32" else value
+    return "bfloat16"
+
+
+def _attention_geometry(text: dict[str, Any], num_layers: int, tp: int, where: str) -> AttentionGeometry:
+    num_heads = _require_int(text, "num_attention_heads", where)
+    total_kv_heads = text.get("num_key_value_heads", num_heads)
+    if not isinstance(total_kv_heads, int) or total_kv_heads <= 0:
+        raise KVPlanInputError(f"{where}: `num_key_value_heads` is {total_kv_heads!r}; expected a positive int")
+    head_size = text.get("head_dim")
+    if head_size is None:
+        head_size = _require_int(text, "hidden_size", where) // num_heads
+    elif not isinstance(head_size, int) or head_size <= 0:
+        raise KVPlanInputError(f"{where}: `head_dim` is {head_size!r}; expected a positive int")
+    if total_kv_heads >= tp and total_kv_heads % tp:
+        raise KVPlanInputError(
+            f"{where}: {total_kv_heads} KV heads do not split over tensor_parallel_size {tp}; "
+            "pick a tensor-parallel size that divides them"
+        )
+    # ModelConfig.get_num_kv_heads: KV heads are replicated when there are fewer than TP ranks.
+    return AttentionGeometry(num_kv_heads=max(1, total_kv_heads // tp), head_size=head_size, num_layers=num_layers)
+
+
+def read_target(config: dict[str, Any], tensor_parallel_size: int = 1, where: str = "target config") -> TargetModel:
+    """Read the target model's KV geometry from its config.json (flat or with a `text_config`)."""
+    architecture = _architecture(config, where)
+    text = _text_config(config)
+    num_layers = _require_int(text, "num_hidden_layers", where)
+    layer_types = text.get("layer_types")
+    if layer_types is None and "linear_num_value_heads" in text:
+        interval = text.get("full_attention_interval", 4)
+        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
+    if layer_types is None:
+        layer_types = ["full_attention"] * num_layers
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise KVPlanInputError(
+            f"{where}: `layer_types` has {len(layer_types) if isinstance(layer_types, list) else layer_types!r} "
+            f"entries for {num_layers} layers; give one per layer"
+        )
+    unknown = sorted(set(layer_types) - {"full_attention", "linear_attention"})
+    if unknown:
+        raise KVPlanInputError(
+            f"{where}: layer type(s) {unknown} are not modelled; only full_attention and linear_attention"
+        )
+    num_full = layer_types.count("full_attention")
+    num_linear = layer_types.count("linear_attention")
+    attention = _attention_geometry(text, num_full, tensor_parallel_size, where)
+    gdn = None
+    if num_linear:
+        if architecture not in GDN_ARCHITECTURES:
+            raise KVPlanInputError(
+                f"{where}: architecture {architecture} has linear-attention layers but is not a modelled "
+                f"Gated-DeltaNet hybrid ({', '.join(sorted(GDN_ARCHITECTURES))})"
+            )
+        gdn = GDNGeometry(
+            num_layers=num_linear,
+            num_key_heads=_require_int(text, "linear_num_key_heads", where),
+            num_value_heads=_require_int(text, "linear_num_value_heads", where),
+            key_head_dim=_require_int(text, "linear_key_head_dim", where),
+            value_head_dim=_require_int(text, "linear_value_head_dim", where),
+            conv_kernel=_require_int(text, "linear_conv_kernel_dim", where),
+        )
+    ssm_dtype = text.get("mamba_ssm_dtype")
+    if ssm_dtype is not None and ssm_dtype not in DTYPE_BYTES:
+        raise KVPlanInputError(f"{where}: `mamba_ssm_dtype` is {ssm_dtype!r}; expected one of {sorted(DTYPE_BYTES)}")
+    return TargetModel(
+        architecture=architecture,
+        dtype=_config_dtype(config, text),
+        attention=attention,
+        gdn=gdn,
+        mamba_ssm_dtype=ssm_dtype if GDN_ARCHITECTURES.get(architecture) else None,
+    )
+
+
+def read_drafter(
+    config: dict[str, Any], tensor_parallel_size: int = 1, label: str = "drafter", where: str = "drafter config"
+) -> DrafterModel:
+    """Read a drafter's attention geometry (every drafter layer is one attention layer)."""
+    architecture = _architecture(config, where)
+    text = _text_config(config)
+    num_layers = _require_int(text, "num_hidden_layers", where)
+    window = text.get("sliding_window")
+    return DrafterModel(
+        label=label,
+        architecture=architecture,
+        attention=_attention_geometry(text, num_layers, tensor_parallel_size, where),
+        sliding_window=window if isinstance(window, int) else None,
+    )
+
+
+def supported_kernel_block_sizes(backend: str, hybrid: bool, mamba_float32: bool) -> list[KernelSize]:
+    """get_supported_kernel_block_sizes() of the attention backend, as vLLM 0.23 answers it."""
+    if backend == "FLASH_ATTN":
+        return [16, 32, 64] if hybrid and mamba_float32 else [("multiple", 16)]
+    if backend == "FLASHINFER":
+        return [16, 32, 64]
+    if backend in ("TRITON_ATTN", "CPU_ATTN"):
+        return [("multiple", 16)]
+    raise KVPlanInputError(f"attention backend {backend!r} is not modelled; use one of {', '.join(BACKENDS)}")
+
+
+def _kernel_size_supported(sizes: list[KernelSize], block_size: int) -> bool:
+    return any(block_size % size[1] == 0 if isinstance(size, tuple) else block_size == size for size in sizes)
+
+
+def select_kernel_block_size(block_size: int, sizes: list[KernelSize]) -> int | None:
+    """select_common_block_size (vllm/v1/worker/utils.py) for one backend; None where vLLM raises."""
+    if _kernel_size_supported(sizes, block_size):
+        return block_size
+    for size in sorted((s for s in sizes if isinstance(s, int)), reverse=True):
+        if block_size % size == 0:
+            return size
+    return None
+
+
+@dataclass
+class _Spec:
+    """One KV cache group's spec, enough of vLLM's KVCacheSpec to follow unification."""
+
+    name: str
+    kind: str  # "attention" or "mamba"
+    block_size: int
+    bytes_per_token: int = 0  # attention only
+    state_bytes: int = 0  # mamba only: the unpadded page
+    page_size_padded: int | None = None
+
+    @property
+    def page_size_bytes(self) -> int:
+        real = self.state_bytes if self.kind == "mamba" else self.block_size * self.bytes_per_token
+        return self.page_size_padded if self.page_size_padded is not None else real
+
+
+class _UnifyError(Exception):
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+def _unify_stock(specs: list[_Spec]) -> None:
+    """unify_kv_cache_spec_page_size as shipped: scale smaller pages up to the largest by an integer ratio."""
+    pages = {spec.page_size_bytes for spec in specs}
+    if len(pages) <= 1:
+        return
+    max_page = max(pages)
+    for spec in specs:
+        page = spec.page_size_bytes
+        if page == max_page:
+            continue
+        if max_page % page:
+            raise _UnifyError("unify", f"its {page}-byte {spec.name} page does not divide the {max_page}-byte page")
+        spec.block_size *= max_page // page
+        if spec.page_size_bytes != max_page:
+            raise _UnifyError(
+                "unify",
+                f"stock scales the {spec.name} block instead, but a GDN page ({page} B) does not grow with "
+                f"block size, so the page assert fails ({page} != {max_page} B)",
+            )
+
+
+def _unify_patched(specs: list[_Spec]) -> None:
+    """unify_kv_cache_spec_page_size with patch 0001: common page from the GDN specs, exact attention fits."""
+    pages = {spec.page_size_bytes for spec in specs}
+    if len(pages) <= 1:
+        return
+    fixed = {spec.page_size_bytes for spec in specs if spec.kind == "mamba"}
+    if not fixed:
+        _unify_stock(specs)
+        return
+    common = max(fixed)
+    for spec in specs:
+        if spec.page_size_bytes == common:
+            continue
+        if spec.kind == "mamba":
+            spec.page_size_padded = common
+        elif spec.page_size_padded is None:
+            if common % spec.bytes_per_token:
+                raise _UnifyError(
+                    "unify",
+                    f"its {spec.bytes_per_token} B/token {spec.name} layers do not divide the {common}-byte "
+                    "common page and an attention page is never padded",
+                )
+            spec.block_size = common // spec.bytes_per_token
+        else:
+            raise _UnifyError("unify", f"the padded {spec.name} page cannot be rescaled")
+
+
+def _check_runner(specs: list[_Spec], kernel_sizes: list[KernelSize], kernel_blocks: dict[str, int]) -> None:
+    """The model runner: kernel block per attention group, FLASH_ATTN shape check, padded-page view."""
+    for spec in specs:
+        if spec.kind != "attention":
+            continue
+        kernel = select_kernel_block_size(spec.block_size, kernel_sizes)
+        if kernel is None:
+            raise _UnifyError(
+                "kernel", f"no kernel block size divides the {spec.name} block of {spec.block_size} tokens"
+            )
+        kernel_blocks[spec.name] = kernel
+        if spec.page_size_padded is not None and kernel < spec.block_size:
+            raise _UnifyError(
+                "view",
+                f"the padded {spec.name} page is viewed with kernel block {kernel} < block {spec.block_size}: "
+                "the strided view runs past the buffer (setStorage out of bounds)",
+            )
+
+
+def _align(
+    block_size: int,
+    kernel_alignment: int,
+    attn_bytes_per_token: int,
+    mamba_page: int,
+    drafter_bytes_per_token: int | None,
+    patched: bool,
+) -> int:
+    """Platform._align_hybrid_block_size (mamba_cache_mode none/align): the target's attention block."""
+    quantum = kernel_alignment * attn_bytes_per_token
+    if patched and drafter_bytes_per_token:
+        quantum = math.lcm(quantum, kernel_alignment * drafter_bytes_per_token)
+    step = quantum // attn_bytes_per_token
+    attn_block = step * -(-mamba_page // quantum)
+    return max(block_size, attn_block)
+
+
+def plan(
+    target_config: dict[str, Any],
+    drafter_config: dict[str, Any] | None,
+    num_speculative_tokens: int,
+    patched: bool,
+    *,
+    drafter_label: str | None = None,
+    kv_cache_dtype: str = "auto",
+    mamba_cache_dtype: str = "auto",
+    mamba_ssm_cache_dtype: str = "auto",
+    dtype: str = "auto",
+    tensor_parallel_size: int = 1,
+    attention_backend: str | None = None,
+    platform: str = "cuda",
+    block_size: int | None = None,
+) -> KVPlan:
+    """Predict vLLM 0.23's KV page unification for a target + drafter, stock or patched.
+
+    ``num_speculative_tokens`` 0 (or no drafter config) plans the target alone. ``block_size`` is a
+    user --block-size (None: the platform's default). ``attention_backend`` defaults to FLASH_ATTN on
+    CUDA and CPU_ATTN on CPU. Raises KVPlanInputError for configs or options it cannot read.
+    """
+    if platform not in PLATFORMS:
+        raise KVPlanInputError(f"platform {platform!r} is not modelled; use one of {', '.join(PLATFORMS)}")
+    if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
+        raise KVPlanInputError(
+            f"num_speculative_tokens is {num_speculative_tokens!r}; it must be an integer >= 0 (0: no drafter)"
+        )
+    if drafter_config is not None and num_speculative_tokens == 0:
+        raise KVPlanInputError("num_speculative_tokens is 0 but a drafter config was given; pass 1 or more")
+    for name, value, allowed in (
+        ("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES),
+        ("mamba_cache_dtype", mamba_cache_dtype, MAMBA_CACHE_DTYPES),
+        ("mamba_ssm_cache_dtype", mamba_ssm_cache_dtype, MAMBA_CACHE_DTYPES),
+        ("dtype", dtype, ("auto", "bfloat16", "float16")),
+    ):
+        if value not in allowed:
+            raise KVPlanInputError(f"{name} {value!r} is not modelled; use one of {', '.join(allowed)}")
+    if block_size is not None and (block_size <= 0 or block_size % 16):
+        raise KVPlanInputError(f"block_size {block_size} must be a positive multiple of 16")
+    backend = attention_backend or ("FLASH_ATTN" if platform == "cuda" else "CPU_ATTN")
+
+    target = read_target(target_config, tensor_parallel_size)
+    label = drafter_label or "drafter"
+    drafter = read_drafter(drafter_config, tensor_parallel_size, label=label) if drafter_config is not None else None
+    model_dtype = target.dtype if dtype == "auto" else dtype
+    kv_bytes = DTYPE_BYTES[model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype]
+    conv_dtype = model_dtype if mamba_cache_dtype == "auto" else mamba_cache_dtype
+    # The SSM state dtype as cache_config holds it once the Qwen3.5 config hook has run ("auto" kept
+    # for other models); FLASH_ATTN compares these strings, the state itself falls back to the conv dtype.
+    ssm_dtype_setting = mamba_ssm_cache_dtype if mamba_ssm_cache_dtype != "auto" else target.mamba_ssm_dtype
+    ssm_dtype = ssm_dtype_setting or conv_dtype
+    mamba_float32 = "float32" in (ssm_dtype_setting, mamba_cache_dtype)
+    kernel_sizes = supported_kernel_block_sizes(backend, target.gdn is not None, mamba_float32)
+
+    initial_block = block_size or (DEFAULT_BLOCK_SIZE if platform == "cuda" else CPU_DEFAULT_BLOCK_SIZE)
+    attn_bpt = target.attention.bytes_per_token(kv_bytes)
+    drafter_bpt = drafter.attention.bytes_per_token(kv_bytes) if drafter else None
+    n = num_speculative_tokens
+
+    mamba_page = None
+    page_padded = None
+    attention_block = initial_block
+    if target.gdn is not None:
+        mamba_page = target.gdn.page_bytes(n, DTYPE_BYTES[conv_dtype], DTYPE_BYTES[ssm_dtype], tensor_parallel_size)
+        kernel_alignment = max(min(s[1] if isinstance(s, tuple) else s for s in kernel_sizes), initial_block)
+        attention_block = _align(initial_block, kernel_alignment, attn_bpt, mamba_page, drafter_bpt, patched)
+        if attention_block * attn_bpt > mamba_page:
+            page_padded = attention_block * attn_bpt
+
+    specs = [_Spec("target attention", "attention", attention_block, bytes_per_token=attn_bpt)]
+    if target.gdn is not None and mamba_page is not None:
+        specs.append(_Spec("GDN state", "mamba", attention_block, state_bytes=mamba_page, page_size_padded=page_padded))
+    if drafter is not None and drafter_bpt is not None:
+        specs.append(_Spec("drafter attention", "attention", attention_block, bytes_per_token=drafter_bpt))
+
+    kernel_blocks: dict[str, int] = {}
+    failure: _UnifyError | None = None
+    try:
+        (_unify_patched if patched else _unify_stock)(specs)
+        _check_runner(specs, kernel_sizes, kernel_blocks)
+    except _UnifyError as exc:
+        failure = exc
+
+    padding_pct = 0.0
+    if mamba_page:
+        padding_pct = 100 * (specs[1].page_size_bytes - mamba_page) / mamba_page
+    drafter_desc = _describe_drafter(drafter, drafter_bpt, attn_bpt) if drafter else "no drafter"
+    version = "patched" if patched else "stock"
+    if failure is not None:
+        return KVPlan(
+            ok=False,
+            reason=f"{drafter_desc}, n={n}: {version} vLLM 0.23 cannot unify the KV cache: {failure}",
+            patched=patched,
+            num_speculative_tokens=n,
+            drafter=drafter.label if drafter else None,
+            attention_block_size=attention_block,
+            drafter_block_size=None,
+            page_size_bytes=None,
+            mamba_page_size_bytes=mamba_page,
+            padding_pct=round(padding_pct, 4),
+            kernel_block_sizes=kernel_blocks,
+            failure_stage=failure.stage,
+        )
+    common_page = specs[0].page_size_bytes
+    drafter_block = specs[2].block_size if drafter else None
+    detail = f"attention block {specs[0].block_size}"
+    if drafter_block is not None:
+        detail += f", drafter block {drafter_block}"
+    detail += f", page {common_page} B"
+    if mamba_page:
+        detail += f", GDN page padded {padding_pct:.2f}%"
+    return KVPlan(
+        ok=True,
+        reason=f"{drafter_desc}, n={n}: {version} vLLM 0.23 unifies the KV cache ({detail})",
+        patched=patched,
+        num_speculative_tokens=n,
+        drafter=drafter.label if drafter else None,
+        attention_block_size=specs[0].block_size,
+        drafter_block_size=drafter_block,
+        page_size_bytes=common_page,
+        mamba_page_size_bytes=mamba_page,
+        padding_pct=round(padding_pct, 4),
+        kernel_block_sizes=kernel_blocks,
+    )
+
+
+def _describe_drafter(drafter: DrafterModel, drafter_bpt: int | None, target_bpt: int) -> str:
+    geometry = drafter.attention
+    text = (
+        f"drafter {drafter.label} ({geometry.num_kv_heads} KV heads x {geometry.head_size}, "
+        f"{geometry.num_layers} layers, {drafter_bpt} B/token vs the target's {target_bpt})"
+    )
+    return text
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """Read a config.json, given the file or the model directory that holds it."""
+    config_path = Path(path)
+    if config_path.is_dir():
+        config_path = config_path / "config.json"
+    try:
+        data = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise KVPlanInputError(f"{config_path}: no such file; pass a config.json or the directory holding it") from None
+    except json.JSONDecodeError as exc:
+        raise KVPlanInputError(f"{config_path}: not valid JSON ({exc}); pass the model's config.json") from None
+    if not isinstance(data, dict):
+        raise KVPlanInputError(f"{config_path}: top level is {type(data).__name__}; a config.json is a JSON object")
+    return data
+
+
+def _label_from_path(path: str) -> str:
+    config_path = Path(path)
+    return config_path.name if config_path.is_dir() else config_path.parent.name or config_path.stem
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "kv-plan",
+        help="predict whether vLLM 0.23 (stock and patched) unifies a target's and a drafter's KV cache",
+        description=__doc__.splitlines()[0],
+    )
+    parser.add_argument("--target-config", required=True, help="target config.json (or its directory)")
+    parser.add_argument("--drafter-config", help="drafter config.json (or its directory); omit for none")
+    parser.add_argument("--drafter-label", help="name for the drafter in messages (default: its directory)")
+    parser.add_argument("--num-speculative-tokens", type=int, required=True, help="0 plans the target alone")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    parser.add_argument("--mamba-cache-dtype", default="auto", choices=MAMBA_CACHE_DTYPES)
+    parser.add_argument("--mamba-ssm-cache-dtype", default="auto", choices=MAMBA_CACHE_DTYPES)
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16"))
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--attention-backend", choices=BACKENDS, help="default: FLASH_ATTN (cuda), CPU_ATTN (cpu)")
+    parser.add_argument("--platform", default="cuda", choices=PLATFORMS)
+    parser.add_argument("--block-size", type=int, help="a user --block-size (default: the platform's)")
+    parser.add_argument(
+        "--stock", action="store_true", help="judge stock vLLM 0.23 (default: with patch 0001, as sparkfleet ships)"
+    )
+    parser.add_argument("--json", action="store_true", help="print both plans as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the stock and patched plans; exit 1 (one line) when the judged version cannot unify."""
+    try:
+        target = load_config(args.target_config)
+        drafter = load_config(args.drafter_config) if args.drafter_config else None
+        label = args.drafter_label or (_label_from_path(args.drafter_config) if args.drafter_config else None)
+        options = {
+            "drafter_label": label,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "mamba_cache_dtype": args.mamba_cache_dtype,
+            "mamba_ssm_cache_dtype": args.mamba_ssm_cache_dtype,
+            "dtype": args.dtype,
+            "tensor_parallel_size": args.tensor_parallel_size,
+            "attention_backend": args.attention_backend,
+            "platform": args.platform,
+            "block_size": args.block_size,
+        }
+        plans = {
+            version: plan(target, drafter, args.num_speculative_tokens, version == "patched", **options)
+            for version in ("stock", "patched")
+        }
+    except KVPlanInputError as exc:
+        print(f"kv-plan: {exc}")
+        return 2
+    judged = plans["stock" if args.stock else "patched"]
+    if args.json:
+        print(json.dumps({version: p.to_dict() for version, p in plans.items()}, indent=2))
+    else:
+        print(judged.reason)
+    return 0 if judged.ok else 1

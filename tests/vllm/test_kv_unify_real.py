@@ -1,0 +1,826 @@
+"""KV page-size unification on the real vLLM 0.23 code, stock and with patch 0001, vs sparkfleet kv-plan.
+
+For each case a real VllmConfig is built from config.json files (target + DFlash drafter, real
+ModelConfig / SpeculativeConfig / CacheConfig), then vLLM's own steps run:
+
+1. ``Platform._align_hybrid_block_size`` with the FLASH_ATTN backend class (CUDA) or CPU_ATTN (CPU);
+2. the KV cache specs the model's layers report: real ``Attention`` layers (target full attention and
+   drafter layers, built with the arguments DFlashQwen3Attention passes) and the GDN ``MambaSpec`` from
+   the model class's ``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config``;
+3. ``get_kv_cache_groups`` (which calls ``unify_kv_cache_spec_page_size``);
+4. the runner's ``select_common_block_size`` and ``GPUModelRunner._reshape_kv_cache_tensors`` on small
+   CPU buffers (the runner is the one stand-in: a namespace carrying the attributes that method reads).
+
+The patched code is the stock files of the installed vllm with the patch applied by ``patch -p1`` in a
+temporary directory, loaded as separate modules. Every outcome is compared with
+``sparkfleet.kv_page_plan.plan``.
+
+Run as a script to print the table or write docs/kv-unify.md:
+    build/venv-vllm/bin/python tests/vllm/test_kv_unify_real.py --write docs/kv-unify.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from sparkfleet import kv_page_plan  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+PATCH_FILE = REPO_ROOT / "files" / "patches" / "vllm-0.23.0" / "0001-kv-page-size-unify.patch"
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "kv_configs"
+TARGET_FIXTURE = FIXTURES / "qwen3_5_122b_a10b" / "config.json"
+DRAFTERS = {
+    "6c7242c": FIXTURES / "dflash_6c7242c" / "config.json",
+    "bce6f76": FIXTURES / "dflash_bce6f76" / "config.json",
+}
+REFERENCE_NS = (0, 5, 8, 12, 15)
+MAX_MODEL_LEN = 4096
+
+
+@dataclass(frozen=True)
+class Case:
+    """One configuration: a target, an optional drafter, n and the cache options."""
+
+    name: str
+    target: dict[str, Any]
+    drafter: dict[str, Any] | None
+    drafter_label: str | None
+    num_speculative_tokens: int
+    kv_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    platform: str = "cuda"
+    block_size: int | None = None
+
+    def plan(self, patched: bool) -> kv_page_plan.KVPlan:
+        return kv_page_plan.plan(
+            self.target,
+            self.drafter,
+            self.num_speculative_tokens,
+            patched,
+            drafter_label=self.drafter_label,
+            kv_cache_dtype=self.kv_cache_dtype,
+            mamba_ssm_cache_dtype=self.mamba_ssm_cache_dtype,
+            platform=self.platform,
+            block_size=self.block_size,
+        )
+
+
+@dataclass
+class Outcome:
+    """What the real vLLM code did with one case."""
+
+    ok: bool
+    stage: str | None = None  # where it failed: "unify", "kernel" or "view"
+    error: str = ""
+    attention_block_size: int | None = None
+    drafter_block_size: int | None = None
+    page_size_bytes: int | None = None
+    mamba_page_size_bytes: int | None = None
+    padding_pct: float = 0.0
+    kernel_block_sizes: dict[str, int] = field(default_factory=dict)
+    padded_attention: bool = False
+    log_lines: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------------------------
+# vLLM: stock modules, patched modules
+# --------------------------------------------------------------------------------------------------
+
+
+def patched_file_paths(patch_text: str) -> list[str]:
+    """The wheel-relative paths a unified diff touches (its `+++ b/...` lines)."""
+    return re.findall(r"^\+\+\+ b/(\S+)", patch_text, flags=re.MULTILINE)
+
+
+def load_patched_vllm(workdir: Path) -> SimpleNamespace:
+    """Apply the patch to copies of the installed vllm files and import them as separate modules."""
+    import vllm
+
+    site = Path(vllm.__file__).resolve().parent.parent
+    patch_text = PATCH_FILE.read_text()
+    for rel in patched_file_paths(patch_text):
+        dest = workdir / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes((site / rel).read_bytes())
+    result = subprocess.run(
+        ["patch", "-p1", "--forward", "--batch", "-d", str(workdir), "-i", str(PATCH_FILE)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, f"patch does not apply to the installed vllm:\n{result.stdout}{result.stderr}"
+    modules = {}
+    for rel, key in (
+        ("vllm/platforms/interface.py", "interface"),
+        ("vllm/v1/core/kv_cache_utils.py", "kv_cache_utils"),
+    ):
+        name = "sparkfleet_patched_" + rel.removesuffix(".py").replace("/", "_")
+        spec = importlib.util.spec_from_file_location(name, workdir / rel)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+        modules[key] = module
+    return SimpleNamespace(**modules)
+
+
+class LogCapture(logging.Handler):
+    """Collects the messages of the alignment's `logger.info` lines."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def captured_logs(module: ModuleType) -> Iterator[LogCapture]:
+    logger = module.logger
+    capture = LogCapture()
+    old_level = logger.level
+    logger.addHandler(capture)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield capture
+    finally:
+        logger.removeHandler(capture)
+        logger.setLevel(old_level)
+
+
+class RealVLLM:
+    """Runs cases through the real vLLM 0.23 code, stock or patched."""
+
+    def __init__(self, workdir: Path) -> None:
+        import vllm.platforms.interface as stock_interface
+        import vllm.v1.core.kv_cache_utils as stock_kv_cache_utils
+
+        self.workdir = workdir
+        self.stock = SimpleNamespace(interface=stock_interface, kv_cache_utils=stock_kv_cache_utils)
+        register_models_in_process(("Qwen3_5MoeForConditionalGeneration", "DFlashDraftModel"))
+        self.patched = load_patched_vllm(workdir / "patched")
+        self._config_dirs: dict[str, Path] = {}
+
+    def config_dir(self, config: dict[str, Any]) -> Path:
+        text = json.dumps(config, sort_keys=True, indent=1)
+        key = hashlib.sha256(text.encode()).hexdigest()[:16]
+        if key not in self._config_dirs:
+            path = self.workdir / "configs" / key
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "config.json").write_text(text)
+            self._config_dirs[key] = path
+        return self._config_dirs[key]
+
+    def model_configs(self, case: Case) -> tuple[Any, Any, Any]:
+        """Fresh real ModelConfig, ParallelConfig and SpeculativeConfig.
+
+        Never shared between runs: VllmConfig applies the model's config hooks (the Qwen3.5 one sets
+        the float32 SSM cache dtype) only once per ModelConfig.
+        """
+        from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig
+
+        model_config = ModelConfig(
+            model=str(self.config_dir(case.target)),
+            skip_tokenizer_init=True,
+            max_model_len=MAX_MODEL_LEN,
+        )
+        parallel_config = ParallelConfig()
+        speculative_config = None
+        if case.drafter is not None:
+            speculative_config = SpeculativeConfig(
+                method="dflash",
+                model=str(self.config_dir(case.drafter)),
+                num_speculative_tokens=case.num_speculative_tokens,
+                target_model_config=model_config,
+                target_parallel_config=parallel_config,
+            )
+        return model_config, parallel_config, speculative_config
+
+    def vllm_config(self, case: Case) -> Any:
+        """A fresh VllmConfig (its CacheConfig is what the alignment changes) for one run."""
+        from vllm.config import CacheConfig, VllmConfig
+
+        model_config, parallel_config, speculative_config = self.model_configs(case)
+        cache_kwargs: dict[str, Any] = {
+            "cache_dtype": case.kv_cache_dtype,
+            "mamba_ssm_cache_dtype": case.mamba_ssm_cache_dtype,
+            "enable_prefix_caching": False,
+        }
+        if case.block_size is not None:
+            cache_kwargs["block_size"] = case.block_size
+        return VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(**cache_kwargs),
+            parallel_config=parallel_config,
+            speculative_config=speculative_config,
+        )
+
+    def run(self, case: Case, patched: bool) -> Outcome:
+        import torch
+        from vllm.config.vllm import set_current_vllm_config
+        from vllm.model_executor.layers.attention.attention import Attention
+        from vllm.model_executor.models import ModelRegistry
+        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+        from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+        from vllm.v1.worker.utils import select_common_block_size
+
+        code = self.patched if patched else self.stock
+        vllm_config = self.vllm_config(case)
+        cache_config = vllm_config.cache_config
+        model_config = vllm_config.model_config
+        backend = attention_backend_class(case.platform)
+        outcome = Outcome(ok=False)
+
+        # 1. hybrid block alignment (update_block_size_for_backend)
+        with set_current_vllm_config(vllm_config):
+            if case.platform == "cuda" and not cache_config.user_specified_block_size:
+                cache_config.block_size = backend.get_preferred_block_size(cache_config.DEFAULT_BLOCK_SIZE)
+        with captured_logs(code.interface) as logs:
+            if model_config.is_hybrid:
+                code.interface.Platform._align_hybrid_block_size(vllm_config, backend)
+        outcome.log_lines = logs.lines
+        outcome.attention_block_size = cache_config.block_size
+
+        # 2. the layers' KV cache specs
+        text_config = model_config.hf_text_config
+        specs: dict[str, Any] = {}
+        with set_current_vllm_config(vllm_config):
+            target_attn = Attention(
+                text_config.num_attention_heads,
+                model_config.get_head_size(),
+                model_config.get_head_size() ** -0.5,
+                num_kv_heads=model_config.get_num_kv_heads(vllm_config.parallel_config),
+                cache_config=cache_config,
+                prefix="model.layers.full.self_attn.attn",
+            )
+            target_spec = target_attn.get_kv_cache_spec(vllm_config)
+            model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
+            mamba_spec = None
+            if model_config.is_hybrid:
+                mamba_spec = MambaSpec(
+                    shapes=tuple(model_cls.get_mamba_state_shape_from_config(vllm_config)),
+                    dtypes=model_cls.get_mamba_state_dtype_from_config(vllm_config),
+                    block_size=cache_config.mamba_block_size,
+                    page_size_padded=cache_config.mamba_page_size_padded,
+                    mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                    mamba_cache_mode=cache_config.mamba_cache_mode,
+                    num_speculative_blocks=case.num_speculative_tokens if case.drafter is not None else 0,
+                )
+                outcome.mamba_page_size_bytes = sum(
+                    _prod(shape) * dtype.itemsize
+                    for shape, dtype in zip(mamba_spec.shapes, mamba_spec.dtypes, strict=True)
+                )
+            draft_spec = None
+            if case.drafter is not None:
+                draft = vllm_config.speculative_config.draft_model_config
+                draft_hf = draft.hf_config
+                head_dim = getattr(draft_hf, "head_dim", None) or draft_hf.hidden_size // draft_hf.num_attention_heads
+                draft_attn = Attention(
+                    draft_hf.num_attention_heads,
+                    head_dim,
+                    head_dim**-0.5,
+                    num_kv_heads=max(1, draft_hf.num_key_value_heads),
+                    cache_config=cache_config,
+                    prefix="model.layers.draft.self_attn.attn",
+                )
+                draft_spec = draft_attn.get_kv_cache_spec(vllm_config)
+        layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * text_config.num_hidden_layers
+        roles: dict[str, str] = {}
+        for index, layer_type in enumerate(layer_types):
+            if layer_type == "full_attention":
+                specs[f"model.layers.{index}.self_attn.attn"] = target_spec
+                roles[f"model.layers.{index}.self_attn.attn"] = "target attention"
+            else:
+                specs[f"model.layers.{index}.linear_attn"] = mamba_spec
+        if draft_spec is not None:
+            # DFlash numbers its layers after the target's (start_layer_id).
+            for index in range(vllm_config.speculative_config.draft_model_config.hf_config.num_hidden_layers):
+                specs[f"model.layers.{len(layer_types) + index}.self_attn.attn"] = draft_spec
+                roles[f"model.layers.{len(layer_types) + index}.self_attn.attn"] = "drafter attention"
+
+        # 3. grouping and page-size unification
+        try:
+            groups = code.kv_cache_utils.get_kv_cache_groups(vllm_config, specs)
+        except (AssertionError, NotImplementedError, ValueError) as exc:
+            outcome.stage, outcome.error = "unify", f"{type(exc).__name__}: {exc}"
+            return outcome
+        pages = {group.kv_cache_spec.page_size_bytes for group in groups}
+        assert len(pages) == 1, f"get_kv_cache_groups returned several page sizes: {pages}"
+        outcome.page_size_bytes = pages.pop()
+        for group in groups:
+            spec = group.kv_cache_spec
+            if isinstance(spec, MambaSpec) and outcome.mamba_page_size_bytes:
+                outcome.padding_pct = round(
+                    100 * (spec.page_size_bytes - outcome.mamba_page_size_bytes) / outcome.mamba_page_size_bytes, 4
+                )
+            if isinstance(spec, AttentionSpec):
+                outcome.padded_attention |= spec.page_size_padded is not None
+                # A drafter with the target's KV geometry shares the target's group.
+                group_roles = {roles[name] for name in group.layer_names if name in roles}
+                if "drafter attention" in group_roles:
+                    outcome.drafter_block_size = spec.block_size
+                if "target attention" in group_roles:
+                    outcome.attention_block_size = spec.block_size
+
+        # 4. the runner: kernel block per group, then the KV views over real (small) buffers
+        kernel_sizes = []
+        with set_current_vllm_config(vllm_config):
+            for group in groups:
+                spec = group.kv_cache_spec
+                if isinstance(spec, AttentionSpec):
+                    try:
+                        kernel = select_common_block_size(spec.block_size, [backend])
+                    except ValueError as exc:
+                        outcome.stage, outcome.error = "kernel", f"ValueError: {exc}"
+                        return outcome
+                    for role in {roles[name] for name in group.layer_names if name in roles}:
+                        outcome.kernel_block_sizes.setdefault(role, kernel)
+                    kernel_sizes.append(kernel)
+                else:
+                    kernel_sizes.append(spec.block_size)
+            try:
+                check_kv_views(groups, kernel_sizes, backend, cache_config, torch)
+            except RuntimeError as exc:
+                outcome.stage, outcome.error = "view", f"RuntimeError: {exc}"
+                return outcome
+        outcome.ok = True
+        return outcome
+
+
+def register_models_in_process(architectures: tuple[str, ...]) -> None:
+    """Register the (same) model classes as imported ones, so vLLM inspects them in this process.
+
+    A lazily registered model is inspected in a fresh subprocess (to keep CUDA out of the parent)
+    unless VLLM_CACHE_ROOT holds its model info; that costs ~30 s per architecture on a cold cache.
+    """
+    from vllm.model_executor.models import ModelRegistry
+
+    for architecture in architectures:
+        model_cls = ModelRegistry.models[architecture].load_model_cls()
+        ModelRegistry.register_model(architecture, model_cls)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    result = 1
+    for dim in shape:
+        result *= dim
+    return result
+
+
+def attention_backend_class(platform: str) -> type:
+    if platform == "cuda":
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+
+        return FlashAttentionBackend
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return CPUAttentionBackend
+
+
+def check_kv_views(groups: list[Any], kernel_sizes: list[int], backend: type, cache_config: Any, torch: Any) -> None:
+    """Run GPUModelRunner._reshape_kv_cache_tensors on 3-page CPU buffers, one layer per group.
+
+    Raises RuntimeError where the real view does (a mis-strided padded page runs past its buffer);
+    asserts that every kernel block of an attention layer lies inside its own page.
+    """
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend
+    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.utils import AttentionGroup
+
+    num_pages = 3
+    attn_groups = []
+    raw_tensors = {}
+    for group_id, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        layer = group.layer_names[0]
+        group_backend = backend if isinstance(spec, AttentionSpec) else GDNAttentionBackend
+        attn_groups.append(AttentionGroup(group_backend, [layer], spec, group_id))
+        raw_tensors[layer] = torch.empty(num_pages * spec.page_size_bytes, dtype=torch.int8)
+    runner = SimpleNamespace(
+        runner_only_attn_layers=set(),
+        cache_config=cache_config,
+        _kv_cache_spec_attn_group_iterator=lambda: iter(attn_groups),
+    )
+    runner._update_hybrid_attention_mamba_layout = lambda caches, sizes: (
+        GPUModelRunner._update_hybrid_attention_mamba_layout(runner, caches, sizes)
+    )
+    kv_caches = GPUModelRunner._reshape_kv_cache_tensors(runner, raw_tensors, kernel_sizes)
+    for group in attn_groups:
+        spec = group.kv_cache_spec
+        if not isinstance(spec, AttentionSpec):
+            continue
+        kernel = kernel_sizes[group.kv_cache_group_id]
+        layer = group.layer_names[0]
+        cache, raw = kv_caches[layer], raw_tensors[layer]
+        block_dim = backend.get_kv_cache_block_dim(kernel, spec.num_kv_heads, spec.head_size)
+        per_page = spec.block_size // kernel
+        kernel_bytes = spec.real_page_size_bytes // per_page
+        for kernel_block in range(cache.shape[block_dim]):
+            offset = cache.select(block_dim, kernel_block).data_ptr() - raw.data_ptr()
+            page, within = divmod(offset, spec.page_size_bytes)
+            assert page == kernel_block // per_page and within == (kernel_block % per_page) * kernel_bytes, (
+                f"kernel block {kernel_block} of {layer} starts at byte {offset}, outside page "
+                f"{kernel_block // per_page} of {spec.page_size_bytes} bytes"
+            )
+
+
+# --------------------------------------------------------------------------------------------------
+# the grid
+# --------------------------------------------------------------------------------------------------
+
+
+def load_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def variant(config: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """A copy of a config with some keys changed (in `text_config` when the config has one)."""
+    result = copy.deepcopy(config)
+    text = result.get("text_config", result)
+    text.update(changes)
+    return result
+
+
+def reference_cases() -> list[Case]:
+    """The 122B target with both DFlash revisions at the recipe's n values (n=0: the target alone)."""
+    target = load_json(TARGET_FIXTURE)
+    cases = []
+    for n in REFERENCE_NS:
+        if n == 0:
+            cases.append(Case("target only", target, None, None, 0))
+            continue
+        for revision, path in DRAFTERS.items():
+            cases.append(Case(f"dflash {revision}", target, load_json(path), f"dflash {revision}", n))
+    return cases
+
+
+def grid_cases() -> list[Case]:
+    """Variations of KV heads, head dims, window, layers, n and dtypes around the reference."""
+    target = load_json(TARGET_FIXTURE)
+    drafter = load_json(DRAFTERS["6c7242c"])
+    cases = []
+    for kv_heads, head_dim in ((1, 128), (2, 128), (2, 192), (4, 64), (4, 192), (4, 256), (8, 64), (16, 128)):
+        for n in (1, 8, 12):
+            cases.append(
+                Case(
+                    f"drafter {kv_heads}x{head_dim}",
+                    target,
+                    variant(drafter, num_key_value_heads=kv_heads, head_dim=head_dim),
+                    f"{kv_heads}x{head_dim}",
+                    n,
+                )
+            )
+    for window, layers in ((None, 4), (4096, 1), (8192, 6)):
+        cases.append(
+            Case(
+                f"window {window}, {layers} layers",
+                target,
+                variant(DRAFTERS_JSON["bce6f76"], sliding_window=window, num_hidden_layers=layers),
+                f"bce6f76 w{window} l{layers}",
+                7,
+            )
+        )
+    for kv_dtype in ("fp8",):
+        for revision in DRAFTERS:
+            cases.append(
+                Case(
+                    f"kv {kv_dtype}", target, DRAFTERS_JSON[revision], f"dflash {revision}", 12, kv_cache_dtype=kv_dtype
+                )
+            )
+    for revision in DRAFTERS:
+        cases.append(
+            Case(
+                "ssm bfloat16",
+                target,
+                DRAFTERS_JSON[revision],
+                f"dflash {revision}",
+                12,
+                mamba_ssm_cache_dtype="bfloat16",
+            )
+        )
+    # other targets: fewer layers, other GDN and attention geometries
+    small = variant(
+        target,
+        num_hidden_layers=24,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(24)],
+        linear_num_value_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+    )
+    for revision in DRAFTERS:
+        for n in (2, 15):
+            cases.append(Case("target 24L, 4x128", small, DRAFTERS_JSON[revision], f"dflash {revision}", n))
+    # user --block-size (kept by the alignment when larger than its own choice)
+    for revision in DRAFTERS:
+        cases.append(
+            Case("--block-size 4096", target, DRAFTERS_JSON[revision], f"dflash {revision}", 5, block_size=4096)
+        )
+    # the CPU platform (sandbox): block 128, CPU_ATTN
+    for revision in DRAFTERS:
+        for n in (5, 12):
+            cases.append(Case("cpu platform", target, DRAFTERS_JSON[revision], f"dflash {revision}", n, platform="cpu"))
+    return cases
+
+
+DRAFTERS_JSON = {revision: load_json(path) for revision, path in DRAFTERS.items()}
+
+
+def evaluate(real: RealVLLM, cases: list[Case]) -> list[dict[str, Any]]:
+    rows = []
+    for case in cases:
+        for patched in (False, True):
+            rows.append({"case": case, "patched": patched, "real": real.run(case, patched), "plan": case.plan(patched)})
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# tests
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_vllm(tmp_path_factory: pytest.TempPathFactory) -> RealVLLM:
+    return RealVLLM(tmp_path_factory.mktemp("kv_unify"))
+
+
+@pytest.fixture(scope="module")
+def reference_rows(real_vllm: RealVLLM) -> list[dict[str, Any]]:
+    return evaluate(real_vllm, reference_cases())
+
+
+@pytest.fixture(scope="module")
+def grid_rows(real_vllm: RealVLLM) -> list[dict[str, Any]]:
+    return evaluate(real_vllm, grid_cases())
+
+
+def _find(rows: list[dict[str, Any]], name: str, n: int, patched: bool) -> Outcome:
+    for row in rows:
+        case = row["case"]
+        if case.name == name and case.num_speculative_tokens == n and row["patched"] == patched:
+            return row["real"]
+    raise KeyError((name, n, patched))
+
+
+@pytest.mark.parametrize(
+    ("n", "block", "padding_line"),
+    [(5, 2144, None), (8, 2192, "Padding mamba page size by 0.55%"), (12, 2240, "Padding mamba page size by 0.54%")],
+)
+def test_stock_alignment_reproduces_the_reference_log_lines(
+    reference_rows: list[dict[str, Any]], n: int, block: int, padding_line: str | None
+) -> None:
+    outcome = _find(reference_rows, "dflash 6c7242c", n, patched=False)
+    assert f"Setting attention block size to {block} tokens" in outcome.log_lines[0]
+    paddings = [line for line in outcome.log_lines if line.startswith("Padding mamba page size")]
+    if padding_line is None:
+        assert paddings == []
+    else:
+        assert len(paddings) == 1 and paddings[0].startswith(padding_line)
+
+
+def test_stock_fails_where_it_fails_today(reference_rows: list[dict[str, Any]]) -> None:
+    for n in (5, 8, 12, 15):
+        assert _find(reference_rows, "dflash 6c7242c", n, patched=False).ok
+        failed = _find(reference_rows, "dflash bce6f76", n, patched=False)
+        assert not failed.ok and failed.stage == "unify", failed
+    assert _find(reference_rows, "target only", 0, patched=False).ok
+
+
+def test_patched_unifies_every_reference_case(reference_rows: list[dict[str, Any]]) -> None:
+    for row in reference_rows:
+        if not row["patched"]:
+            continue
+        real = row["real"]
+        assert real.ok, (row["case"].name, row["case"].num_speculative_tokens, real.error)
+        assert real.attention_block_size % 16 == 0
+        assert real.drafter_block_size is None or real.drafter_block_size % 16 == 0
+        assert not real.padded_attention
+
+
+def test_patch_keeps_what_stock_already_handles(
+    reference_rows: list[dict[str, Any]], grid_rows: list[dict[str, Any]]
+) -> None:
+    rows = reference_rows + grid_rows
+    stock_ok = [row for row in rows if not row["patched"] and row["real"].ok]
+    assert len(stock_ok) >= 10
+    for stock_row in stock_ok:
+        patched_row = next(r for r in rows if r["case"] is stock_row["case"] and r["patched"])
+        stock, patched = stock_row["real"], patched_row["real"]
+        assert (patched.ok, patched.attention_block_size, patched.drafter_block_size, patched.page_size_bytes) == (
+            stock.ok,
+            stock.attention_block_size,
+            stock.drafter_block_size,
+            stock.page_size_bytes,
+        ), stock_row["case"].name
+        assert patched.padding_pct == stock.padding_pct
+        assert patched.log_lines == stock.log_lines
+
+
+def test_planner_matches_real_vllm(reference_rows: list[dict[str, Any]], grid_rows: list[dict[str, Any]]) -> None:
+    rows = reference_rows + grid_rows
+    assert any(not row["real"].ok for row in rows) and any(row["real"].ok for row in rows)
+    for row in rows:
+        real, predicted, case = row["real"], row["plan"], row["case"]
+        where = f"{case.name} n={case.num_speculative_tokens} {'patched' if row['patched'] else 'stock'}"
+        assert predicted.ok == real.ok, (where, real.error, predicted.reason)
+        if real.ok:
+            assert predicted.attention_block_size == real.attention_block_size, where
+            assert predicted.drafter_block_size == real.drafter_block_size, where
+            assert predicted.page_size_bytes == real.page_size_bytes, where
+            assert predicted.padding_pct == pytest.approx(real.padding_pct, abs=1e-3), where
+            assert predicted.kernel_block_sizes == real.kernel_block_sizes, where
+        else:
+            assert predicted.failure_stage == real.stage, (where, real.error, predicted.reason)
+        if real.mamba_page_size_bytes is not None:
+            assert predicted.mamba_page_size_bytes == real.mamba_page_size_bytes, where
+
+
+def test_patched_never_pads_an_attention_page(grid_rows: list[dict[str, Any]]) -> None:
+    for row in grid_rows:
+        if row["patched"] and row["real"].ok:
+            assert not row["real"].padded_attention, row["case"].name
+
+
+def test_a_padded_attention_page_with_a_smaller_kernel_block_mis_strides(real_vllm: RealVLLM) -> None:
+    """The runner's view of a padded attention page (block 1040, kernel 16) overruns its buffer.
+
+    This is the failure the patch and the planner steer clear of; it is reproduced here with the real
+    `_reshape_kv_cache_tensors`, and the planner flags it.
+    """
+    import torch
+    from vllm.config.vllm import set_current_vllm_config
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+
+    case = reference_cases()[1]
+    vllm_config = real_vllm.vllm_config(case)
+    backend = attention_backend_class("cuda")
+    spec = FullAttentionSpec(block_size=1040, num_kv_heads=4, head_size=128, dtype=torch.bfloat16)
+    padded = FullAttentionSpec(
+        block_size=1040,
+        num_kv_heads=4,
+        head_size=128,
+        dtype=torch.bfloat16,
+        page_size_padded=spec.page_size_bytes + 4096,
+    )
+    with set_current_vllm_config(vllm_config):
+        check_kv_views([KVCacheGroupSpec(["a"], spec)], [16], backend, vllm_config.cache_config, torch)
+        with pytest.raises(RuntimeError, match="out of bounds"):
+            check_kv_views([KVCacheGroupSpec(["a"], padded)], [16], backend, vllm_config.cache_config, torch)
+    planner_specs = [
+        kv_page_plan._Spec(
+            "drafter attention", "attention", 1040, bytes_per_token=2048, page_size_padded=padded.page_size_bytes
+        )
+    ]
+    with pytest.raises(kv_page_plan._UnifyError, match="setStorage"):
+        kv_page_plan._check_runner(planner_specs, [16, 32, 64], {})
+
+
+# --------------------------------------------------------------------------------------------------
+# the table (docs/kv-unify.md)
+# --------------------------------------------------------------------------------------------------
+
+
+def _cell(outcome: Outcome) -> str:
+    if not outcome.ok:
+        return f"fails ({outcome.stage})"
+    blocks = f"{outcome.attention_block_size}"
+    if outcome.drafter_block_size is not None:
+        blocks += f" / {outcome.drafter_block_size}"
+    return f"ok: {blocks}, pad {outcome.padding_pct:.2f}%"
+
+
+def render_table(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [
+        "| case | drafter KV | n | options | stock (real) | patched (real) | planner agrees |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for index in range(0, len(rows), 2):
+        stock_row, patched_row = rows[index], rows[index + 1]
+        case = stock_row["case"]
+        drafter = "-"
+        if case.drafter is not None:
+            text = case.drafter.get("text_config", case.drafter)
+            drafter = f"{text['num_key_value_heads']}x{text.get('head_dim')}, {text['num_hidden_layers']}L"
+            if text.get("sliding_window"):
+                drafter += f", w{text['sliding_window']}"
+        options = []
+        if case.kv_cache_dtype != "auto":
+            options.append(f"kv {case.kv_cache_dtype}")
+        if case.mamba_ssm_cache_dtype != "auto":
+            options.append(f"ssm {case.mamba_ssm_cache_dtype}")
+        if case.block_size:
+            options.append(f"block {case.block_size}")
+        if case.platform != "cuda":
+            options.append(case.platform)
+        agrees = all(_agrees(row) for row in (stock_row, patched_row))
+        lines.append(
+            f"| {case.name} | {drafter} | {case.num_speculative_tokens} | {', '.join(options) or '-'} | "
+            f"{_cell(stock_row['real'])} | {_cell(patched_row['real'])} | {'yes' if agrees else 'NO'} |"
+        )
+    return lines
+
+
+def _agrees(row: dict[str, Any]) -> bool:
+    real, predicted = row["real"], row["plan"]
+    if predicted.ok != real.ok:
+        return False
+    if not real.ok:
+        return predicted.failure_stage == real.stage
+    return (
+        predicted.attention_block_size,
+        predicted.drafter_block_size,
+        predicted.page_size_bytes,
+        round(predicted.padding_pct, 2),
+    ) == (real.attention_block_size, real.drafter_block_size, real.page_size_bytes, round(real.padding_pct, 2))
+
+
+def render_document(reference: list[dict[str, Any]], grid: list[dict[str, Any]], seconds: float) -> str:
+    import vllm
+
+    command = "build/venv-vllm/bin/python tests/vllm/test_kv_unify_real.py --write docs/kv-unify.md"
+    lines = [
+        "# KV page-size unification: stock vs patched vLLM 0.23, and the planner",
+        "",
+        f"Generated by `{command}` (vllm {vllm.__version__}, {len(reference) + len(grid)} runs of the real code,"
+        f" {seconds:.0f} s). Do not edit by hand.",
+        "",
+        "Each cell is what the real vLLM code did: `ok: A / D, pad P%` is the target's attention block A,",
+        "the drafter's attention block D (after unification), and how much the Gated-DeltaNet state page is",
+        "padded to reach the common page; `fails (stage)` names where it stopped (`unify`: the page-size",
+        "assert or NotImplementedError in `get_kv_cache_groups`; `kernel`: no kernel block size;",
+        "`view`: the runner's KV view). *planner agrees* compares `sparkfleet kv-plan` with both cells.",
+        "CUDA cases use the FLASH_ATTN backend class (kernel blocks 16/32/64 with a float32 SSM state);",
+        "prefix caching off, as the recipe serves.",
+        "",
+        "## Qwen3.5-122B-A10B with the DFlash drafter revisions",
+        "",
+        "6c7242c: 4 KV heads x 128, 4 layers, window 2048; bce6f76: 8 KV heads x 128, 6 layers, window 4096.",
+        "",
+        *render_table(reference),
+        "",
+        "## Grid around it",
+        "",
+        *render_table(grid),
+        "",
+        "## The rule (patch 0001)",
+        "",
+        "- The hybrid alignment makes the common page a multiple of one kernel-aligned block of the",
+        "  target's attention *and* of the drafter's attention (least common multiple); when the",
+        "  drafter's bytes per token divide the target's, this is the stock quantum and nothing changes.",
+        "- Unification takes the common page from the block-size-invariant (GDN/mamba) specs, fits every",
+        "  attention spec to it exactly (block = page / bytes per token), and pads only mamba pages.",
+        "- An attention page is never padded: the runner views it with one page stride per kernel block,",
+        "  which runs past the buffer when the kernel block is smaller than the block (reproduced above:",
+        "  block 1040, kernel 16).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", type=Path, help="write the Markdown table to this file")
+    args = parser.parse_args(argv)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kv_unify_") as tmp:
+        os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tmp) / "vllm_cache"))
+        real = RealVLLM(Path(tmp))
+        reference = evaluate(real, reference_cases())
+        grid = evaluate(real, grid_cases())
+    document = render_document(reference, grid, time.monotonic() - start)
+    if args.write:
+        args.write.write_text(document)
+        print(f"wrote {args.write} ({len(reference) + len(grid)} runs)")
+    else:
+        print(document)
+    disagreements = [row for row in reference + grid if not _agrees(row)]
+    return 1 if disagreements else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
