@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -611,7 +612,7 @@ def run(args: argparse.Namespace) -> int:
             for version in ("stock", "patched")
         }
     except KVPlanInputError as exc:
-        print(f"kv-plan: {exc}")
+        print(f"kv-plan: {exc}", file=sys.stderr)
         return 2
     judged = plans["stock" if args.stock else "patched"]
     if args.json:

@@ -1,0 +1,214 @@
+"""Unit tests for sparkfleet.kv_page_plan (no vLLM): reference figures, the CLI, bad inputs.
+
+The planner's figures are checked against the real vLLM code in tests/vllm/test_kv_unify_real.py;
+these tests pin what the reference recorded on real hardware and the planner's contract.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparkfleet import cli, kv_page_plan
+from sparkfleet.kv_page_plan import KVPlanInputError, plan
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = REPO_ROOT / "tests" / "fixtures" / "kv_configs"
+TARGET_DIR = FIXTURES / "qwen3_5_122b_a10b"
+OLD_DRAFTER_DIR = FIXTURES / "dflash_6c7242c"
+NEW_DRAFTER_DIR = FIXTURES / "dflash_bce6f76"
+
+
+@pytest.fixture()
+def target() -> dict[str, Any]:
+    return kv_page_plan.load_config(TARGET_DIR)
+
+
+@pytest.fixture()
+def old_drafter() -> dict[str, Any]:
+    return kv_page_plan.load_config(OLD_DRAFTER_DIR)
+
+
+@pytest.fixture()
+def new_drafter() -> dict[str, Any]:
+    return kv_page_plan.load_config(NEW_DRAFTER_DIR)
+
+
+def test_fixtures_hold_the_architecture_facts(target: dict[str, Any], old_drafter: dict, new_drafter: dict) -> None:
+    text = target["text_config"]
+    assert text["layer_types"].count("linear_attention") == 36
+    assert text["layer_types"].count("full_attention") == 12
+    assert (text["num_key_value_heads"], text["head_dim"]) == (2, 256)
+    assert (text["linear_num_key_heads"], text["linear_num_value_heads"], text["linear_conv_kernel_dim"]) == (16, 64, 4)
+    assert (text["hidden_size"], text["vocab_size"]) == (3072, 248320)
+    for drafter, facts in ((old_drafter, (4, 4, 2048)), (new_drafter, (8, 6, 4096))):
+        assert drafter["architectures"] == ["DFlashDraftModel"] and drafter["model_type"] == "qwen3"
+        assert (drafter["num_key_value_heads"], drafter["num_hidden_layers"], drafter["sliding_window"]) == facts
+        assert drafter["dflash_config"]["target_layer_ids"]
+
+
+@pytest.mark.parametrize(
+    ("n", "block", "padding"),
+    # The reference's own log lines (reference/bench-log-dflash-conc8.md, FINDINGS §1).
+    [(5, 2144, "0.00"), (8, 2192, "0.55"), (12, 2240, "0.54")],
+)
+def test_reference_alignment(target: dict, old_drafter: dict, n: int, block: int, padding: str) -> None:
+    for patched in (False, True):
+        result = plan(target, old_drafter, n, patched, drafter_label="6c7242c")
+        assert result.ok, result.reason
+        assert result.attention_block_size == block
+        assert f"{result.padding_pct:.2f}" == padding
+        assert result.page_size_bytes == block * 2 * 2 * 256 * 2
+
+
+@pytest.mark.parametrize("n", [5, 8, 12, 15])
+def test_new_drafter_fails_stock_and_unifies_patched(target: dict, new_drafter: dict, n: int) -> None:
+    stock = plan(target, new_drafter, n, patched=False, drafter_label="bce6f76")
+    assert not stock.ok and stock.failure_stage == "unify"
+    assert "bce6f76" in stock.reason and "\n" not in stock.reason
+    patched = plan(target, new_drafter, n, patched=True, drafter_label="bce6f76")
+    assert patched.ok, patched.reason
+    assert patched.attention_block_size % 16 == 0 and patched.drafter_block_size % 16 == 0
+    # the drafter's page (8 KV heads x 128 x bf16 K+V = 4096 B/token) fills the common page exactly
+    assert patched.drafter_block_size * 4096 == patched.page_size_bytes
+    assert patched.attention_block_size * 2048 == patched.page_size_bytes
+
+
+def test_target_alone(target: dict) -> None:
+    for patched in (False, True):
+        result = plan(target, None, 0, patched)
+        assert result.ok and result.drafter_block_size is None and result.drafter is None
+
+
+def test_mamba_page_follows_num_speculative_tokens(target: dict, old_drafter: dict) -> None:
+    pages = [plan(target, old_drafter, n, True).mamba_page_size_bytes for n in (1, 2, 3)]
+    # each speculative token adds one conv column: (128*16*2 + 128*64) channels x 2 bytes
+    assert pages[1] - pages[0] == pages[2] - pages[1] == 12288 * 2
+
+
+def test_flat_config_and_tensor_parallel(target: dict, old_drafter: dict) -> None:
+    flat = copy.deepcopy(target["text_config"])
+    flat["architectures"] = target["architectures"]
+    assert plan(flat, old_drafter, 5, True) == plan(target, old_drafter, 5, True)
+    split = plan(target, old_drafter, 5, True, tensor_parallel_size=2)
+    assert split.ok
+    assert split.mamba_page_size_bytes * 2 == plan(target, old_drafter, 5, True).mamba_page_size_bytes
+
+
+def test_padded_attention_page_with_smaller_kernel_block_is_refused() -> None:
+    spec = kv_page_plan._Spec("drafter attention", "attention", 1040, bytes_per_token=2048, page_size_padded=2200000)
+    kernels: dict[str, int] = {}
+    with pytest.raises(kv_page_plan._UnifyError, match="kernel block 16 < block 1040") as info:
+        kv_page_plan._check_runner([spec], [16, 32, 64], kernels)
+    assert info.value.stage == "view"
+    # the same page with a kernel block equal to the block is viewed correctly
+    kv_page_plan._check_runner([spec], [("multiple", 16)], kernels)
+    assert kernels == {"drafter attention": 1040}
+
+
+def test_select_kernel_block_size() -> None:
+    assert kv_page_plan.select_kernel_block_size(2144, [16, 32, 64]) == 32
+    assert kv_page_plan.select_kernel_block_size(2192, [16, 32, 64]) == 16
+    assert kv_page_plan.select_kernel_block_size(1096, [16, 32, 64]) is None
+    assert kv_page_plan.select_kernel_block_size(1096, [("multiple", 16)]) is None
+    assert kv_page_plan.select_kernel_block_size(2144, [("multiple", 16)]) == 2144
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kv_cache_dtype": "int4"}, "kv_cache_dtype 'int4'"),
+        ({"platform": "rocm"}, "platform 'rocm'"),
+        ({"attention_backend": "FLEX"}, "attention backend 'FLEX'"),
+        ({"block_size": 24}, "block_size 24"),
+        ({"tensor_parallel_size": 3}, "tensor_parallel_size 3"),
+    ],
+)
+def test_bad_options_name_the_value(target: dict, old_drafter: dict, kwargs: dict, message: str) -> None:
+    with pytest.raises(KVPlanInputError, match=message):
+        plan(target, old_drafter, 5, True, **kwargs)
+
+
+def test_bad_configs_name_the_key(target: dict, old_drafter: dict) -> None:
+    with pytest.raises(KVPlanInputError, match="num_speculative_tokens is 0 but a drafter"):
+        plan(target, old_drafter, 0, True)
+    with pytest.raises(KVPlanInputError, match="num_speculative_tokens is -1"):
+        plan(target, None, -1, True)
+    broken = copy.deepcopy(target)
+    del broken["text_config"]["linear_num_value_heads"]
+    broken["text_config"]["layer_types"][0] = "linear_attention"
+    with pytest.raises(KVPlanInputError, match="`linear_num_value_heads` is None"):
+        plan(broken, old_drafter, 5, True)
+    no_arch = dict(old_drafter, architectures=[])
+    with pytest.raises(KVPlanInputError, match="`architectures` is \\[\\]"):
+        plan(target, no_arch, 5, True)
+
+
+def _kv_plan(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sparkfleet", "kv-plan", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def test_cli_refuses_a_drafter_that_cannot_unify_in_one_line() -> None:
+    args = ["--target-config", str(TARGET_DIR), "--drafter-config", str(NEW_DRAFTER_DIR), "--num-speculative-tokens"]
+    stock = _kv_plan(*args, "12", "--stock")
+    assert stock.returncode == 1
+    lines = stock.stdout.strip().splitlines()
+    assert len(lines) == 1 and "dflash_bce6f76" in lines[0] and "cannot unify" in lines[0]
+    patched = _kv_plan(*args, "12")
+    assert patched.returncode == 0, patched.stdout + patched.stderr
+    assert "attention block 2240, drafter block 1120" in patched.stdout
+
+
+def test_cli_json_carries_both_plans() -> None:
+    result = _kv_plan(
+        "--target-config",
+        str(TARGET_DIR / "config.json"),
+        "--drafter-config",
+        str(OLD_DRAFTER_DIR),
+        "--drafter-label",
+        "6c7242c",
+        "--num-speculative-tokens",
+        "5",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["stock"]["attention_block_size"] == data["patched"]["attention_block_size"] == 2144
+    assert data["patched"]["drafter"] == "6c7242c"
+
+
+def test_cli_bad_path_is_one_line(tmp_path: Path) -> None:
+    result = _kv_plan("--target-config", str(tmp_path / "missing"), "--num-speculative-tokens", "0")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines() == [
+        f"kv-plan: {tmp_path / 'missing'}: no such file; pass a config.json or the directory holding it"
+    ]
+
+
+def test_registered_in_the_cli() -> None:
+    assert cli.COMMANDS["kv-plan"] == "sparkfleet.kv_page_plan"
+    args = cli.build_parser().parse_args(
+        ["kv-plan", "--target-config", str(TARGET_DIR), "--num-speculative-tokens", "0"]
+    )
+    assert args.func is kv_page_plan.run
+
+
+def test_planner_imports_neither_vllm_nor_torch() -> None:
+    code = (
+        "import sys, sparkfleet.kv_page_plan; "
+        "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; print(bad); sys.exit(bool(bad))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
