@@ -15,14 +15,22 @@ the snapshot does see those changes.
 from __future__ import annotations
 
 import base64
+import gzip
+import hashlib
+import io
 import json
 import os
+import subprocess
+import tarfile
 from collections.abc import Iterator
+from email.utils import formatdate
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.integration.conftest import PlaybookRun, run_playbook
+from tests.sandbox import fleet
 from tests.sandbox.conftest import sandbox_fleet  # noqa: F401 - the fleet fixture
 
 pytestmark = pytest.mark.sandbox
@@ -69,9 +77,7 @@ def host(sandbox_fleet) -> str:  # noqa: F811 - the fixture imported above
     names = sandbox_fleet.names
     chosen = os.environ.get("SPARKFLEET_PREFLIGHT_HOST") or names[min(1, len(names) - 1)]
     if chosen not in names:
-        pytest.fail(
-            f"SPARKFLEET_PREFLIGHT_HOST={chosen!r} is not a fleet host; use one of {', '.join(names)}"
-        )
+        pytest.fail(f"SPARKFLEET_PREFLIGHT_HOST={chosen!r} is not a fleet host; use one of {', '.join(names)}")
     return chosen
 
 
@@ -313,3 +319,152 @@ def test_driver_manage_without_repo_url_is_refused(spark: Host) -> None:
     run = play(spark.name, {**PASSING_VARS, "preflight_with_driver": True, "nvidia_driver_manage": True})
     assert_refused(run, spark.name, "nvidia_driver_manage is true but nvidia_driver_repo_url is ''")
     assert spark.snapshot() == before
+
+
+# --- nvidia_driver's install path, from a signed local stand-in of NVIDIA's repository ----------
+
+REPO_ON_HOST = "/srv/sparkfleet-test-nvidia-repo"
+# Empty packages standing in for NVIDIA's: same names, versions on the branches that matter.
+STAND_IN_PACKAGES = (
+    ("nvidia-driver-580-open", "580.95.05-0sparkfleet1"),
+    ("nvidia-driver-580-open", "590.44.01-0sparkfleet1"),  # an upgrade the branch pin must refuse
+    ("cuda-toolkit-13-0", "13.0.2-1"),
+)
+INSTALLED_BY_ROLE = (
+    "/etc/apt/keyrings/sparkfleet-nvidia-cuda.asc",
+    "/etc/apt/sources.list.d/sparkfleet-nvidia-cuda.list",
+    "/etc/apt/preferences.d/sparkfleet-nvidia-driver",
+)
+
+
+def _run(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
+    result = subprocess.run(argv, capture_output=True, check=False, **kwargs)
+    assert result.returncode == 0, f"{argv[0]} failed: {result.stdout!r} {result.stderr!r}"
+    return result
+
+
+def build_signed_repo(root: Path, subdir: str) -> str:
+    """A flat apt repository under root/subdir, signed with a throwaway key; returns the key's sha256.
+
+    The key is written beside the packages as testrepo.pub, as NVIDIA publishes 3bf863cc.pub."""
+    gnupg = root / "gnupg"
+    gnupg.mkdir(mode=0o700)
+    env = {**os.environ, "GNUPGHOME": str(gnupg)}
+    gpg = ["gpg", "--batch", "--quiet", "--pinentry-mode", "loopback", "--passphrase", ""]
+    _run(
+        [*gpg, "--quick-gen-key", "sparkfleet test repo <test@sparkfleet.invalid>", "ed25519", "sign", "never"], env=env
+    )
+    repo = root / "repo" / subdir
+    repo.mkdir(parents=True)
+    for name, version in STAND_IN_PACKAGES:
+        package = root / "build" / f"{name}_{version}"
+        (package / "DEBIAN").mkdir(parents=True)
+        (package / "DEBIAN" / "control").write_text(
+            f"Package: {name}\nVersion: {version}\nArchitecture: all\n"
+            "Maintainer: sparkfleet tests <test@sparkfleet.invalid>\n"
+            f"Description: empty stand-in for NVIDIA's {name} (sparkfleet test double)\n"
+        )
+        _run(["dpkg-deb", "--root-owner-group", "--build", str(package), str(repo / f"{name}_{version}_all.deb")])
+    packages = _run(["dpkg-scanpackages", "--multiversion", "."], cwd=repo).stdout
+    (repo / "Packages").write_bytes(packages)
+    (repo / "Packages.gz").write_bytes(gzip.compress(packages, mtime=0))
+    hashes = "".join(
+        f" {hashlib.sha256((repo / name).read_bytes()).hexdigest()} {(repo / name).stat().st_size} {name}\n"
+        for name in ("Packages", "Packages.gz")
+    )
+    (repo / "Release").write_text(
+        "Origin: sparkfleet-test\nLabel: sparkfleet-test NVIDIA stand-in\n"
+        f"Date: {formatdate(usegmt=True)}\nSHA256:\n{hashes}"
+    )
+    _run([*gpg, "--clearsign", "--output", str(repo / "InRelease"), str(repo / "Release")], env=env)
+    _run([*gpg, "--armor", "--detach-sign", "--output", str(repo / "Release.gpg"), str(repo / "Release")], env=env)
+    key = _run([*gpg, "--armor", "--export"], env=env).stdout
+    (repo / "testrepo.pub").write_bytes(key)
+    return hashlib.sha256(key).hexdigest()
+
+
+def push_tree(host: str, source: Path, destination: str) -> None:
+    """Copy a controller directory onto a sandbox host over the fleet's ssh."""
+    archive = io.BytesIO()
+    with tarfile.open(fileobj=archive, mode="w:gz") as tar:
+        tar.add(source, arcname=".")
+    ssh = fleet.ssh_base_argv(fleet.host_from_name(host))
+    _run(
+        [*ssh, "--", f"rm -rf {destination} && mkdir -p {destination} && tar -xzf - -C {destination}"],
+        input=archive.getvalue(),
+    )
+
+
+@pytest.fixture
+def nvidia_repo(spark: Host, tmp_path: Path) -> Iterator[dict[str, Any]]:
+    """The stand-in repository on the host, and the nvidia_driver variables that point at it.
+    Afterwards: the stand-in packages purged, the role's apt files and the repository removed."""
+    os_release = dict(
+        line.split("=", 1) for line in spark.sh("cat /etc/os-release").replace('"', "").splitlines() if "=" in line
+    )
+    distribution = os_release["ID"] + os_release["VERSION_ID"].replace(".", "")
+    architecture = spark.sh("uname -m").strip()
+    arch_dir = {"aarch64": "sbsa"}.get(architecture, architecture)
+    key_sha256 = build_signed_repo(tmp_path, f"{distribution}/{arch_dir}")
+    push_tree(spark.name, tmp_path / "repo", REPO_ON_HOST)
+    yield {
+        "preflight_with_driver": True,
+        "nvidia_driver_manage": True,
+        "nvidia_driver_repo_url": f"file://{REPO_ON_HOST}",
+        "nvidia_driver_repo_key_name": "testrepo.pub",
+        "nvidia_driver_repo_key_sha256": key_sha256,
+        "nvidia_driver_reboot": False,
+    }
+    names = " ".join(sorted({name for name, _ in STAND_IN_PACKAGES}))
+    spark.sh(
+        f"apt-get purge -y -q {names} >/dev/null 2>&1 || true; rm -f {' '.join(INSTALLED_BY_ROLE)}; "
+        f"rm -rf {REPO_ON_HOST}; apt-get update -q >/dev/null"
+    )
+
+
+def installed_version(spark: Host, package: str) -> str:
+    return spark.sh(f"dpkg-query -W -f '${{Version}}' {package} 2>/dev/null || true").strip()
+
+
+def test_driver_install_check_mode_then_converge_then_idempotent(spark: Host, nvidia_repo: dict[str, Any]) -> None:
+    variables = {**PASSING_VARS, **nvidia_repo}
+    before = spark.snapshot()
+    checked = play(spark.name, variables, "--check", "--diff")
+    assert checked.returncode == 0, checked.output[-3000:]
+    assert checked.recap[spark.name]["changed"] >= 3  # key, pin, repository, packages
+    assert "would install nvidia-driver-580-open, cuda-toolkit-13-0" in checked.output
+    assert spark.snapshot() == before  # check mode made nothing
+
+    first = play(spark.name, variables)
+    assert first.returncode == 0, first.output[-3000:]
+    # the branch pin holds the driver on R580 although the repository offers a 590 build
+    assert installed_version(spark, "nvidia-driver-580-open") == "580.95.05-0sparkfleet1"
+    assert installed_version(spark, "cuda-toolkit-13-0") == "13.0.2-1"
+    for path in INSTALLED_BY_ROLE:
+        spark.sh(f"test -s {path}")
+    assert "driver packages changed and nvidia_driver_reboot is false" in first.output
+
+    second = play(spark.name, variables)
+    assert second.returncode == 0, second.output[-3000:]
+    assert second.recap[spark.name]["changed"] == 0, second.output[-3000:]
+
+
+def test_driver_install_refuses_a_key_with_the_wrong_sha256(spark: Host, nvidia_repo: dict[str, Any]) -> None:
+    run = play(spark.name, {**PASSING_VARS, **nvidia_repo, "nvidia_driver_repo_key_sha256": "1" * 64})
+    assert run.returncode != 0
+    assert "checksum" in run.output.lower()
+    assert installed_version(spark, "nvidia-driver-580-open") == ""
+
+
+@pytest.mark.skipif(
+    os.environ.get("SPARKFLEET_TEST_REBOOT") != "1",
+    reason="reboots a shared sandbox host; run with SPARKFLEET_TEST_REBOOT=1 when nobody else uses the fleet",
+)
+def test_driver_install_reboots_through_the_handler(spark: Host, nvidia_repo: dict[str, Any]) -> None:
+    boot_before = spark.sh("cat /proc/sys/kernel/random/boot_id").strip()
+    run = play(spark.name, {**PASSING_VARS, **nvidia_repo, "nvidia_driver_reboot": True})
+    assert run.returncode == 0, run.output[-3000:]
+    assert "RUNNING HANDLER [nvidia_driver : Reboot for the NVIDIA driver]" in run.output
+    assert spark.sh("cat /proc/sys/kernel/random/boot_id").strip() != boot_before
+    # after the reboot the play went on: verify ran against the freshly booted host
+    assert run.output.index("Reboot for the NVIDIA driver") < run.output.rindex("Assert the driver branch")
