@@ -666,6 +666,34 @@ def test_patched_never_pads_an_attention_page(grid_rows: list[dict[str, Any]]) -
             assert not row["real"].padded_attention, row["case"].name
 
 
+@pytest.mark.parametrize("n", [3, 12])
+def test_patched_alignment_ignores_drafterless_speculation(real_vllm: RealVLLM, n: int) -> None:
+    """ngram speculation has no drafter attention: the patched alignment is the stock one."""
+    from vllm.config import CacheConfig, SpeculativeConfig, VllmConfig
+
+    results = []
+    for code in (real_vllm.stock, real_vllm.patched):
+        model_config, parallel_config, _ = real_vllm.model_configs(reference_cases()[0])
+        speculative_config = SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=n,
+            prompt_lookup_max=4,
+            target_model_config=model_config,
+            target_parallel_config=parallel_config,
+        )
+        vllm_config = VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(enable_prefix_caching=False),
+            parallel_config=parallel_config,
+            speculative_config=speculative_config,
+        )
+        vllm_config.cache_config.block_size = 16
+        code.interface.Platform._align_hybrid_block_size(vllm_config, attention_backend_class("cuda"))
+        results.append((vllm_config.cache_config.block_size, vllm_config.cache_config.mamba_page_size_padded))
+    assert results[0] == results[1]
+    assert results[0][0] > 2000 and results[0][0] % 16 == 0
+
+
 def test_a_padded_attention_page_with_a_smaller_kernel_block_mis_strides(real_vllm: RealVLLM) -> None:
     """The runner's view of a padded attention page (block 1040, kernel 16) overruns its buffer.
 
