@@ -16,6 +16,7 @@ Exit codes: 0 ok, 1 regression, 2 bad input or a failed run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import shlex
 import sys
@@ -27,6 +28,28 @@ from sparkfleet.bench.http_client import BenchHTTPError, OpenAIServer
 from sparkfleet.bench.workloads import DECODE_WORKLOADS, E2E_WORKLOAD, SHAREGPT_DATASET, WorkloadError
 
 SNAPSHOT_REVISION = re.compile(r"/snapshots/([0-9a-f]{40})(?:/|$)")
+PATCHSET_LINE = re.compile(r"^PATCHSET_ID = ['\"]([^'\"]+)['\"]", re.MULTILINE)
+
+
+def local_patch_set() -> str | None:
+    """The patch-set id of the vLLM this Python would import (the service venv's on a host), if any.
+
+    ``sparkfleet wheel build`` writes ``vllm/_sparkfleet_patchset.py``; it is read as text, so
+    vLLM (and torch) are not imported.
+    """
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        marker = Path(location) / "_sparkfleet_patchset.py"
+        if marker.is_file():
+            match = PATCHSET_LINE.search(marker.read_text(encoding="utf-8"))
+            if match:
+                return match.group(1)
+    return None
 
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +57,9 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="served model name (default: the first of GET /v1/models)")
     parser.add_argument("--host-label", help="host name recorded in the result (default: this host's)")
     parser.add_argument("--profile", help="sparkfleet serving profile being measured, e.g. dflash")
-    parser.add_argument("--patch-set", help="id of the vLLM patch set the server runs")
+    parser.add_argument(
+        "--patch-set", help="id of the vLLM patch set the server runs (default: read from the local vLLM)"
+    )
     parser.add_argument(
         "--model-revision", help="model revision (default: read from an HF snapshot path, else none)"
     )
@@ -151,7 +176,7 @@ def _new_result(
         base_url=server.base_url,
         host=args.host_label,
         profile=args.profile,
-        patch_set=args.patch_set,
+        patch_set=args.patch_set or local_patch_set(),
         served_name=model,
         model_root=root,
         model_revision=revision,

@@ -184,6 +184,12 @@ def run_serving_bench(
         "command": argv,
         "vllm_result": {key: value for key, value in data.items() if key not in BULKY_KEYS},
         "spec_decode": spec.as_dict() if spec else None,
+        # vllm bench serve's own reading of the same counters (its window excludes its start-up)
+        "vllm_reported_spec_decode": {
+            "acceptance_length": data.get("spec_decode_acceptance_length"),
+            "acceptance_rate_pct": data.get("spec_decode_acceptance_rate"),
+            "per_position_acceptance": data.get("spec_decode_per_position_acceptance_rates"),
+        },
         "client_cpu_note": "vllm bench serve runs as a child process; its CPU time is counted",
     }
     return figures, details, cpu.as_dict()

@@ -98,3 +98,15 @@ def test_label_values_with_escapes_and_special_values() -> None:
 def test_malformed_lines_name_the_line(line: str, message: str) -> None:
     with pytest.raises(prom.MetricsFormatError, match=message):
         prom.parse_prometheus_text(line + "\n")
+
+
+def test_definitions_reproduce_the_reference_conc8_figures() -> None:
+    # reference/bench-log-dflash-conc8.md: num_speculative_tokens 5, per-position acceptance
+    # 0.78 / 0.56 / 0.39 / 0.29 / 0.21, "mean acceptance length ~3.2-3.3", "avg draft acceptance ~44%".
+    # Counters scaled to 100 drafts: the definitions here must give back both stated figures.
+    per_position = (78.0, 56.0, 39.0, 29.0, 21.0)
+    window = prom.SpecDecodeWindow(
+        drafts=100, draft_tokens=500, accepted_tokens=sum(per_position), accepted_per_position=per_position
+    )
+    assert 3.2 <= window.acceptance_length <= 3.3
+    assert window.acceptance_rate == pytest.approx(0.446)

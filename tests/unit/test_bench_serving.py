@@ -18,7 +18,9 @@ from sparkfleet.bench import serving
 from sparkfleet.bench.http_client import OpenAIServer
 from tests.unit.bench_stub import StubServer
 
-RECORDED = json.loads((Path(__file__).parent / "bench_data" / "vllm-bench-serve-0.23.0-result.json").read_text())
+RECORDED = json.loads(
+    (Path(__file__).parent / "bench_data" / "vllm-bench-serve-0.23.0-result.json").read_text()
+)
 
 # Stands in for vLLM's CLI: checks the flags it gets and writes the recorded result where told.
 FAKE_VLLM = """
@@ -26,7 +28,8 @@ import json, sys, pathlib
 argv = sys.argv[1:]
 assert argv[:2] == ["bench", "serve"], argv
 flag = lambda name: argv[argv.index(name) + 1]
-assert flag("--max-concurrency") == "8" and flag("--temperature") == "0" and flag("--dataset-name") == "sharegpt"
+assert flag("--max-concurrency") == "8" and flag("--temperature") == "0"
+assert flag("--dataset-name") == "sharegpt"
 if flag("--num-prompts") == "13":
     print("Traceback: boom", file=sys.stderr)
     sys.exit(3)
@@ -128,4 +131,6 @@ def test_failed_run_reports_exit_code_and_tail(tmp_path: Path) -> None:
             vllm_command=[sys.executable, str(script)],
         )
     with pytest.raises(serving.ServingBenchError, match="dataset 'nope.json' not found"):
-        serving.run_serving_bench(base_url="http://x", model="m", served_model_name="s", dataset_path="nope.json")
+        serving.run_serving_bench(
+            base_url="http://x", model="m", served_model_name="s", dataset_path="nope.json"
+        )
