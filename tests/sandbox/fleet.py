@@ -654,6 +654,10 @@ class Host:
         return self.state_dir / "stopping"
 
     @property
+    def rootfs_stamp_file(self) -> Path:
+        return self.state_dir / "rootfs-stamp"
+
+    @property
     def console_log(self) -> Path:
         return self.state_dir / "console.log"
 
@@ -1120,8 +1124,15 @@ def nspawn_argv(host: Host) -> list[str]:
 
 def start_host(host: Host, fleet: Sequence[Host]) -> None:
     """Mount, network and boot host under its supervisor (it must not be running)."""
+    rootfs_stamp_now = read_stamp(ROOTFS_DIR / ".sparkfleet-rootfs-stamp") or ""
+    if host.upper.exists() and read_stamp(host.rootfs_stamp_file) != rootfs_stamp_now:
+        # an upper layer made over another rootfs would shadow the new one's files (dpkg status...)
+        log(f"up: {host.name}: its state was made on an older rootfs, starting it fresh")
+        shutil.rmtree(host.upper)
+        shutil.rmtree(host.work, ignore_errors=True)
     for directory in (host.upper, host.work, host.merged):
         directory.mkdir(parents=True, exist_ok=True)
+    host.rootfs_stamp_file.write_text(rootfs_stamp_now + "\n")
     if not is_mounted(host.merged):
         run(
             [
@@ -1368,12 +1379,22 @@ def fleet_down(purge: bool = False) -> None:
         log("down: nothing to stop")
 
 
+def inventory_host_names() -> list[str]:
+    """Host names of the generated inventory (the fleet the last `up` made), [] without one."""
+    try:
+        text = INVENTORY_FILE.read_text()
+    except FileNotFoundError:
+        return []
+    return re.findall(r"^ {8}(spark-\d{2}):$", text, flags=re.MULTILINE)
+
+
 def fleet_status() -> int:
-    """Print one line per known host; return 0 when every known host is running and answers ssh."""
+    """Print one line per known host; 0 when the inventory's hosts all run and answer ssh."""
     hosts = [Host(index) for index in sorted(known_host_indexes())]
     if not hosts:
         log("status: no sandbox hosts (run `python3 tests/sandbox/fleet.py up`)")
         return 1
+    expected = inventory_host_names()
     healthy = True
     for host in hosts:
         running = host_is_running(host)
@@ -1387,11 +1408,12 @@ def fleet_status() -> int:
                 pid for pid in (supervisor_pid(host), nspawn_pid(host)) if pid is not None
             ]
             rss = sum(process_rss_bytes(pid) for pid in pids)
-        else:
+        elif host.name in expected:
             healthy = False
+        state = "running" if running else "stopped" if host.name in expected else "stopped (not in inventory)"
         upper = disk_usage(host.upper)
         log(
-            f"{host.name}  {'running' if running else 'stopped'}  {host.address}  ssh {ssh_state}  "
+            f"{host.name}  {state}  {host.address}  ssh {ssh_state}  "
             f"rss {rss / 2**20:.0f} MiB  upper {upper / 2**20:.1f} MiB"
         )
     return 0 if healthy else 1
@@ -1400,6 +1422,8 @@ def fleet_status() -> int:
 def fleet_exec(name: str, command: Sequence[str]) -> int:
     """Run command on host ``name`` over ssh, passing its output through; return its exit status."""
     host = host_from_name(name)
+    if not host_is_running(host):
+        raise FleetError(f"{name} is not running: start it with `python3 tests/sandbox/fleet.py up`")
     if not command:
         raise FleetError("exec needs a command: fleet.py exec spark-01 -- systemctl is-system-running")
     if not CLIENT_KEY.exists():

@@ -106,6 +106,13 @@ def test_inventory_is_the_spark_group_with_strict_ssh() -> None:
     assert f"UserKnownHostsFile={fleet.KNOWN_HOSTS}" in hosts["spark-01"]["ansible_ssh_common_args"]
 
 
+def test_status_reads_the_fleet_back_from_the_inventory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(fleet.inventory_text([fleet.Host(1), fleet.Host(3)]))
+    monkeypatch.setattr(fleet, "INVENTORY_FILE", inventory)
+    assert fleet.inventory_host_names() == ["spark-01", "spark-03"]
+
+
 def test_unknown_host_names_are_refused() -> None:
     with pytest.raises(fleet.FleetError, match="spark-01 ... spark-40"):
         fleet.host_from_name("spark-1")
