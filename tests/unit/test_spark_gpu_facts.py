@@ -153,9 +153,7 @@ def test_missing_nvidia_smi_is_a_fact_with_the_fix() -> None:
 
 
 def test_driver_not_loaded_reports_the_message_and_rc() -> None:
-    gpu = facts.read_gpu(
-        "/usr/bin/nvidia-smi", "nvidia-smi", fake_runner((9, fixture("no_driver.txt"), "")), 0
-    )
+    gpu = facts.read_gpu("/usr/bin/nvidia-smi", "nvidia-smi", fake_runner((9, fixture("no_driver.txt"), "")), 0)
     assert gpu["present"] is False
     assert "exited 9" in gpu["error"]
     assert "couldn't communicate with the NVIDIA driver" in gpu["error"]
@@ -345,9 +343,7 @@ def test_module_in_check_mode_reports_the_same(
     assert gpu["clock_lock"] is None
 
 
-def test_module_without_nvidia_smi(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_module_without_nvidia_smi(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     result = run_module(monkeypatch, capsys, {"nvidia_smi": "nvidia-smi-that-does-not-exist"})
     assert result.get("failed") is not True
     gpu = result["ansible_facts"]["spark_gpu"]

@@ -41,6 +41,10 @@ options:
     description: Whether the wheel carries the KV page-size unification patch.
     type: bool
     default: true
+  platform:
+    description: The platform vLLM runs on (C(cuda) on a GB10, C(cpu) in the sandbox).
+    type: str
+    default: cuda
 """
 
 EXAMPLES = r"""
@@ -76,9 +80,7 @@ def load_config(path: str | None, what: str) -> dict[str, Any] | None:
     except json.JSONDecodeError as exc:
         raise AnsibleLookupError(f"spark_kv_plan: {what} {resolved} is not JSON ({exc})") from None
     if not isinstance(config, dict):
-        raise AnsibleLookupError(
-            f"spark_kv_plan: {what} {resolved} holds a {type(config).__name__}, not an object"
-        )
+        raise AnsibleLookupError(f"spark_kv_plan: {what} {resolved} holds a {type(config).__name__}, not an object")
     return config
 
 
@@ -94,9 +96,7 @@ def plan_as_dict(plan: Any) -> dict[str, Any]:
 
 
 class LookupModule(LookupBase):
-    def run(
-        self, terms: list[Any], variables: dict[str, Any] | None = None, **kwargs: Any
-    ) -> list[dict[str, Any]]:
+    def run(self, terms: list[Any], variables: dict[str, Any] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
         self.set_options(var_options=variables, direct=kwargs)
         if str(REPO_ROOT) not in sys.path:
             sys.path.insert(0, str(REPO_ROOT))
@@ -104,20 +104,22 @@ class LookupModule(LookupBase):
             planner = importlib.import_module(PLANNER)
         except ModuleNotFoundError as exc:
             if exc.name not in (PLANNER, "sparkfleet"):
-                raise AnsibleLookupError(
-                    f"spark_kv_plan: {PLANNER} needs {exc.name}, which is not installed"
-                ) from exc
-            return [
-                {"available": False, "ok": None, "reason": f"{PLANNER} is not in {REPO_ROOT}", "plan": {}}
-            ]
+                raise AnsibleLookupError(f"spark_kv_plan: {PLANNER} needs {exc.name}, which is not installed") from exc
+            return [{"available": False, "ok": None, "reason": f"{PLANNER} is not in {REPO_ROOT}", "plan": {}}]
         target = load_config(self.get_option("target_config"), "target_config")
         drafter = load_config(self.get_option("drafter_config"), "drafter_config")
+        drafter_path = self.get_option("drafter_config")
+        # the drafter's directory names it in the planner's messages (e.g. a revision's snapshot)
+        label = Path(drafter_path).parent.name if drafter_path else None
         try:
             plan = planner.plan(
-                target, drafter, self.get_option("num_speculative_tokens"), self.get_option("patched")
+                target,
+                drafter,
+                self.get_option("num_speculative_tokens"),
+                self.get_option("patched"),
+                drafter_label=label,
+                platform=self.get_option("platform"),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise AnsibleLookupError(f"spark_kv_plan: the planner cannot read these configs: {exc}") from exc
-        return [
-            {"available": True, "ok": bool(plan.ok), "reason": str(plan.reason), "plan": plan_as_dict(plan)}
-        ]
+        return [{"available": True, "ok": bool(plan.ok), "reason": str(plan.reason), "plan": plan_as_dict(plan)}]
