@@ -74,7 +74,9 @@ class StubState:
             self.counters["generation_tokens"] += tokens
             decode = last - first
             self.observe("vllm:request_decode_time_seconds", decode)
-            self.observe("vllm:request_time_per_output_token_seconds", decode / (tokens - 1) if tokens > 1 else 0.0)
+            self.observe(
+                "vllm:request_time_per_output_token_seconds", decode / (tokens - 1) if tokens > 1 else 0.0
+            )
             for gap in gaps:
                 self.observe("vllm:inter_token_latency_seconds", gap)
             for _ in range(self.extra_requests):  # foreign requests: one token each
@@ -102,7 +104,9 @@ class StubState:
                 f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {self.counters['accepted']}",
             ]
             for pos, value in enumerate(self.per_pos):
-                lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{pos}"}} {value}')
+                lines.append(
+                    f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{pos}"}} {value}'
+                )
             for name, hist in self.hist.items():
                 lines.append(f"# TYPE {name} histogram")
                 for bound, count in zip([*TPOT_BUCKETS, "+Inf"], hist["buckets"], strict=True):
@@ -128,7 +132,9 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             if self.path == "/v1/models":
-                body = {"data": [{"id": "stub", "root": "/models/hub/models--org--stub/snapshots/" + "a" * 40}]}
+                body = {
+                    "data": [{"id": "stub", "root": "/models/hub/models--org--stub/snapshots/" + "a" * 40}]
+                }
                 self._send(200, json.dumps(body).encode(), "application/json")
             elif self.path == "/version":
                 self._send(200, b'{"version": "0.23.0+stub"}', "application/json")
@@ -175,15 +181,23 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             times = []
-            self._chunk(json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}))
+            self._chunk(
+                json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+            )
             times.append(time.perf_counter())
             for index in range(tokens):
                 if index:
                     time.sleep(state.token_gap_s)
                 finish = "length" if index == tokens - 1 else None
-                self._chunk(json.dumps({"choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": finish}]}))
+                self._chunk(
+                    json.dumps(
+                        {"choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": finish}]}
+                    )
+                )
                 times.append(time.perf_counter())
-            self._chunk(json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": tokens}}))
+            self._chunk(
+                json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": tokens}})
+            )
             self._chunk("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
@@ -210,7 +224,9 @@ class StubServer:
         first_run_extra_s: float = 0.0,
         record_delay_s: float = 0.05,
     ) -> None:
-        self.state = StubState(token_gap_s, prefill_s, accepted_per_step, draft_len, first_run_extra_s, record_delay_s)
+        self.state = StubState(
+            token_gap_s, prefill_s, accepted_per_step, draft_len, first_run_extra_s, record_delay_s
+        )
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(self.state))
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
