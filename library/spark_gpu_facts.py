@@ -139,6 +139,12 @@ ansible_facts:
         unavailable_fields:
           description: Query fields C(nvidia-smi) reported as not available, with what it printed.
           type: dict
+        pci_bus_id:
+          description: PCI bus id, for example C(0000000F:01:00.0).
+          type: str
+        nvidia_smi:
+          description: The C(nvidia-smi) that was run (as given when it was not found).
+          type: str
       sample:
         present: true
         count: 1
@@ -168,14 +174,23 @@ ansible_facts:
         memory_available_gib:
           description: C(MemAvailable) in GiB.
           type: float
+        swap_total_gib:
+          description: C(SwapTotal) in GiB.
+          type: float
         cache_path:
           description: O(cache_path) as given (absent when not given).
           type: str
         cache_path_measured:
           description: The existing directory whose file system was measured.
           type: str
+        cache_path_exists:
+          description: Whether O(cache_path) itself exists.
+          type: bool
         disk_free_gib:
           description: Space available to unprivileged users on that file system, in GiB.
+          type: float
+        disk_total_gib:
+          description: Size of that file system, in GiB.
           type: float
         cache_used_gib:
           description: Space already used under O(cache_path), in GiB (0 when it does not exist).
