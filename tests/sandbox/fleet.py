@@ -1326,6 +1326,43 @@ def fleet_up(host_count: int, timeout: float = 90.0) -> list[Host]:
     return fleet
 
 
+NSPAWN_RUNTIME_DIR = Path("/run/systemd/nspawn")
+
+
+def remove_nspawn_runtime_leftovers() -> bool:
+    """Remove what nspawn leaves in /run/systemd/nspawn when /run is not a tmpfs (as here).
+
+    Our hosts' propagation directories go; the image lock files go only when no systemd-nspawn
+    runs at all on this machine (then none can be held); empty directories go last. True when
+    something was removed.
+    """
+    removed = False
+    for propagate in NSPAWN_RUNTIME_DIR.glob("propagate/spark-[0-9][0-9]"):
+        with contextlib.suppress(OSError):
+            propagate.rmdir()
+            removed = True
+    if not any_nspawn_running():
+        for lock_path in NSPAWN_RUNTIME_DIR.glob("locks/inode-*"):
+            with contextlib.suppress(FileNotFoundError):
+                lock_path.unlink()
+                removed = True
+    for directory in (NSPAWN_RUNTIME_DIR / "propagate", NSPAWN_RUNTIME_DIR / "locks", NSPAWN_RUNTIME_DIR):
+        with contextlib.suppress(OSError):
+            directory.rmdir()
+            removed = True
+    return removed
+
+
+def any_nspawn_running() -> bool:
+    """Whether any systemd-nspawn process runs on this machine (ours or anyone's)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            cmdline = process_cmdline(int(entry.name))
+            if cmdline and Path(cmdline[0]).name == "systemd-nspawn" and not is_zombie(int(entry.name)):
+                return True
+    return False
+
+
 def fleet_down(purge: bool = False) -> None:
     """Stop every host and remove every mount, namespace, veth, the bridge and the supervisors."""
     require_root_and_tools("ip", "mount")
@@ -1353,6 +1390,8 @@ def fleet_down(purge: bool = False) -> None:
         if netns.startswith(NETNS_PREFIX):
             run(["ip", "netns", "del", netns], check=False)
             done.append(f"deleted netns {netns}")
+    if remove_nspawn_runtime_leftovers():
+        done.append("nspawn runtime files removed")
     netns_dir = Path("/run/netns")
     if netns_dir.is_dir() and not any(netns_dir.iterdir()):
         # `ip netns add` made /run/netns a mount point of its own; with no namespace left, undo it
