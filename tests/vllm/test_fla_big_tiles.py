@@ -1,0 +1,200 @@
+"""Patch 0004 (FLA big tiles on sm_12x): the tile lists vLLM's FLA ops pick, stock against patched, per GPU.
+
+`chunk_o.py` (`BKV_LIST`) and `cumsum.py` (`BS_LIST`) choose their autotune tile sizes at import time
+from the device's shared memory (`check_shared_mem()` in `fla/ops/utils.py`). The real modules are
+imported, in a subprocess whose `PYTHONPATH` puts first a vllm tree built under tmp_path (symlinks to the
+installed stock files; the patched files copied and patched with `patch -p1`), once per simulated GPU.
+
+Only the GPU is faked, at the level vLLM queries it: Triton's active driver (`get_current_target()`,
+`utils.get_device_properties(i)["max_shared_mem"]`; on this CPU host vLLM hands out a Triton placeholder,
+which gets the fake driver) and `torch.cuda.{device_count, get_device_name, get_device_capability}`. The
+shared-memory figures are the devices' opt-in per-block limits (what Triton reports as max_shared_mem).
+NVIDIA devices only: on ROCm/XPU hosts vLLM's platform (not only the GPU) decides how fla/ops/utils.py
+probes the device, and the patch's rule starts with `is_nvidia`.
+
+The module doubles as the subprocess driver: `python test_fla_big_tiles.py OUT.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PATCH = REPO_ROOT / "files/patches/vllm-0.23.0/0004-fla-sm121-big-tiles.patch"
+BIG = {"BKV_LIST": [64, 128], "BS_LIST": [32, 64]}
+SMALL = {"BKV_LIST": [32, 64], "BS_LIST": [16, 32]}
+
+# name, Triton backend, compute capability, max_shared_mem (bytes per block, opt-in)
+DEVICES: dict[str, tuple[str, str, tuple[int, int], int]] = {
+    "gb10": ("NVIDIA GB10", "cuda", (12, 1), 101376),
+    "rtx5090": ("NVIDIA GeForce RTX 5090", "cuda", (12, 0), 101376),
+    "rtx4090": ("NVIDIA GeForce RTX 4090", "cuda", (8, 9), 101376),
+    "rtx3090": ("NVIDIA GeForce RTX 3090", "cuda", (8, 6), 101376),
+    "a100": ("NVIDIA A100-SXM4-80GB", "cuda", (8, 0), 166912),
+    "h100": ("NVIDIA H100 80GB HBM3", "cuda", (9, 0), 232448),
+    # An sm_12x part reporting less shared memory than the 99 KiB the rule is about.
+    "sm121-64k": ("NVIDIA GB10 (64 KiB)", "cuda", (12, 1), 65536),
+}
+# What each tree picks: stock follows FLA's 100 KiB (102400) threshold; the patch adds sm_12x at 99 KiB.
+EXPECTED_BIG = {
+    "stock": {"a100", "h100"},
+    "patched": {"a100", "h100", "gb10", "rtx5090"},
+}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Building the stock and patched trees
+# --------------------------------------------------------------------------------------------------------
+
+
+def _installed_vllm() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")  # locates the package without importing it
+    if spec is None or spec.origin is None:
+        pytest.fail("vllm is not installed in this interpreter: run with build/venv-vllm/bin/python")
+    return Path(spec.origin).parent
+
+
+def _touched_files(patch: Path) -> list[str]:
+    return [line[6:].split("\t")[0] for line in patch.read_text().splitlines() if line.startswith("+++ b/")]
+
+
+def build_vllm_tree(dest: Path, patch: Path | None) -> Path:
+    """A `site` dir holding a vllm package: symlinks to the installed files, patched files as real copies."""
+    source = _installed_vllm()
+    site = dest / "site"
+    for dirpath, _dirnames, filenames in os.walk(source):
+        rel = Path(dirpath).relative_to(source.parent)
+        (site / rel).mkdir(parents=True, exist_ok=True)
+        for name in filenames:
+            (site / rel / name).symlink_to(Path(dirpath) / name)
+    if patch is not None:
+        for rel in _touched_files(patch):
+            target = site / rel
+            target.unlink()
+            shutil.copyfile(source.parent / rel, target)
+            tag = f"cpython-{sys.version_info[0]}{sys.version_info[1]}"
+            (target.parent / "__pycache__" / f"{target.stem}.{tag}.pyc").unlink(missing_ok=True)
+        result = subprocess.run(
+            ["patch", "-p1", "--batch", "--forward", "-i", str(patch)],
+            cwd=site,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, f"{patch.name} does not apply to the installed vllm:\n{result.stdout}"
+    return site
+
+
+@pytest.fixture(scope="module")
+def picks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("fla_tiles")
+    trees = {"stock": build_vllm_tree(root / "stock", None), "patched": build_vllm_tree(root / "patched", PATCH)}
+    processes = {}
+    for tree, site in trees.items():
+        env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO_ROOT}")
+        command = [sys.executable, __file__, str(root / f"{tree}.json")]
+        processes[tree] = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    results = {}
+    for tree, process in processes.items():
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, f"{tree} driver failed:\n{output.decode(errors='replace')[-8000:]}"
+        results[tree] = json.loads((root / f"{tree}.json").read_text())
+    return results
+
+
+# --------------------------------------------------------------------------------------------------------
+# The tests
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tree", ["stock", "patched"])
+@pytest.mark.parametrize("device", sorted(DEVICES))
+def test_tile_lists_per_device(picks: dict[str, dict[str, dict[str, Any]]], tree: str, device: str) -> None:
+    pick = picks[tree][device]
+    expected = BIG if device in EXPECTED_BIG[tree] else SMALL
+    assert {"BKV_LIST": pick["BKV_LIST"], "BS_LIST": pick["BS_LIST"]} == expected, pick
+
+
+def test_the_fake_gpu_is_what_vllm_sees(picks: dict[str, dict[str, dict[str, Any]]]) -> None:
+    # The module-level device probing of fla/ops/utils.py took the fakes: vendor, Hopper flag, shared memory.
+    for tree in ("stock", "patched"):
+        for device, (_name, backend, capability, shared) in DEVICES.items():
+            pick = picks[tree][device]
+            assert pick["max_shared_mem"] == [shared]
+            assert pick["is_nvidia"] is (backend == "cuda")
+            assert pick["is_nvidia_hopper"] is (backend == "cuda" and capability[0] >= 9)
+
+
+def test_patch_leaves_check_shared_mem_alone(picks: dict[str, dict[str, dict[str, Any]]]) -> None:
+    for device in DEVICES:
+        assert picks["patched"][device]["check_shared_mem"] == picks["stock"][device]["check_shared_mem"]
+    assert picks["stock"]["gb10"]["check_big_tiles"] is None  # the stock tree has no such rule
+    assert picks["patched"]["gb10"]["check_big_tiles"] is True
+
+
+# --------------------------------------------------------------------------------------------------------
+# The driver (runs in the subprocess, against whichever vllm tree is first on PYTHONPATH)
+# --------------------------------------------------------------------------------------------------------
+
+
+class _FakeTritonDriver:
+    """What `triton.runtime.driver.active` answers on a host with one GPU of the given kind."""
+
+    def __init__(self, backend: str, capability: tuple[int, int], max_shared_mem: int) -> None:
+        from types import SimpleNamespace
+
+        self._target = SimpleNamespace(backend=backend, arch=capability[0] * 10 + capability[1], warp_size=32)
+        self.utils = SimpleNamespace(
+            get_device_properties=lambda index: {"max_shared_mem": max_shared_mem, "multiprocessor_count": 48}
+        )
+
+    def get_current_target(self) -> Any:
+        return self._target
+
+
+def _pick_for(device: str) -> dict[str, Any]:
+    import importlib
+    from types import SimpleNamespace
+
+    import torch
+    import vllm.triton_utils as triton_utils
+
+    name, backend, capability, shared = DEVICES[device]
+    if triton_utils.HAS_TRITON:
+        raise RuntimeError("vLLM found a real Triton driver here; this driver fakes the GPU on CPU hosts only")
+    for module in [m for m in sys.modules if m.startswith("vllm.model_executor.layers.fla")]:
+        del sys.modules[module]
+    triton_utils.triton.runtime = SimpleNamespace(
+        driver=SimpleNamespace(active=_FakeTritonDriver(backend, capability, shared))
+    )
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.get_device_name = lambda device=None: name
+    torch.cuda.get_device_capability = lambda device=None: capability
+    utils = importlib.import_module("vllm.model_executor.layers.fla.ops.utils")
+    chunk_o = importlib.import_module("vllm.model_executor.layers.fla.ops.chunk_o")
+    cumsum = importlib.import_module("vllm.model_executor.layers.fla.ops.cumsum")
+    big_tiles = getattr(utils, "check_big_tiles", None)
+    return {
+        "BKV_LIST": chunk_o.BKV_LIST,
+        "BS_LIST": cumsum.BS_LIST,
+        "check_shared_mem": utils.check_shared_mem(),
+        "check_big_tiles": big_tiles() if big_tiles is not None else None,
+        "max_shared_mem": utils.get_all_max_shared_mem(),
+        "is_nvidia": utils.is_nvidia,
+        "is_nvidia_hopper": bool(utils.is_nvidia_hopper),
+    }
+
+
+if __name__ == "__main__":
+    Path(sys.argv[1]).write_text(json.dumps({device: _pick_for(device) for device in DEVICES}, indent=1))
