@@ -1,0 +1,685 @@
+"""Int8 (w8a16) lm-head logits with an exact greedy argmax, for vLLM's ``ParallelLMHead``.
+
+This file is shipped twice, byte for byte: as ``sparkfleet/int8_lmhead.py`` (tests, benchmark) and,
+through ``files/patches/vllm-0.23.0/0003-int8-lm-head.patch``, as
+``vllm/model_executor/layers/quantization/utils/int8_lmhead.py`` inside the patched wheel. It imports
+only torch and (optionally) triton, never vllm, so both copies behave the same.
+
+What it does
+------------
+The vocab projection of Qwen3.5-122B-A10B (248,320 x 3,072, 1.5 GB in bf16) is the largest dense read
+of every decode step. ``quantize_lm_head_weight`` keeps a per-row symmetric int8 copy of it
+(``q = round(w / s)``, ``s = max|w| / 127``) next to the bf16 weight, which stays in place because the
+DFlash drafter shares the target's ``lm_head`` module and compares its ``.weight``.
+``int8_lm_head_logits`` then computes the logits of a batch of 1..32 hidden states with one Triton
+kernel that streams the int8 weight once (half the bytes of the bf16 GEMM) and a second, small kernel
+that makes the greedy choice exact.
+
+The exactness guarantee
+-----------------------
+Let ``z[b, v] = sum_k W[v, k] * x[b, k]`` be the exact logits of the bf16 weight and ``R(.)`` rounding
+to the output dtype (the dtype of ``x``, as vLLM's bf16 path returns). The stock greedy token is the
+first index of the maximum of ``R(z[b, :])``. The int8 logits ``zq`` differ from ``z`` by at most
+``delta[b, v] = min(emax[v] * |x_b|_1, e2[v] * |x_b|_2) + (fp32 accumulation bound)``, where ``emax``
+and ``e2`` are the max-abs and L2 norm of the row's quantization error ``w - s * q`` (stored per row,
+rounded up). The first kernel also writes, per 64..256-row block, the largest ``zq - delta`` and
+``zq + delta``. The second kernel takes ``LB = max(zq - delta) <= max(z)`` per row and the threshold
+``T = LB - 2 ulp(LB)`` in the output dtype, and recomputes exactly (bf16 weight, fp32 accumulation)
+every row of every block whose ``max(zq + delta) >= T``. Then:
+
+* every token whose rounded exact logit can equal the rounded maximum has ``z >= T`` and so sits in a
+  recomputed block: all tied maxima are present with exact values;
+* every other token keeps its int8 logit, and ``R(zq) < R(LB) <= R(max z)``: it cannot win.
+
+So the returned logits' argmax (first index on ties) equals the argmax of ``R(z)``. The one residue:
+the candidates' exact logits are summed in fp32 in a different order than cuBLAS; if cuBLAS's own
+fp32 rounding error pushes a value across a bf16 rounding boundary *and* that creates or breaks a tie
+at the top, the two paths can disagree (the reference itself is then order-dependent). There is no
+fixed candidate cap: a row with many near-ties recomputes more blocks (slower, still exact).
+
+Non-greedy sampling
+-------------------
+Tokens outside the recomputed blocks carry int8 logits, off by at most ``delta`` (typically a few
+hundredths of a logit, bounded per token as above), so sampled distributions and logprobs are close
+to, not equal to, the bf16 ones; the recomputed top of the distribution is exact.
+
+Enabling
+--------
+The patched vLLM replaces the lm head's ``UnquantizedEmbeddingMethod`` by an int8 one only when
+``SPARKFLEET_INT8_LMHEAD=1`` (the ``dense`` profile sets it; other profiles are untouched). The
+variable is not ``VLLM_``-prefixed because vLLM warns about (or, strictly configured, rejects)
+``VLLM_*`` variables it does not know. The int8 path runs on CUDA, and on CPU tensors only under the
+Triton interpreter (``TRITON_INTERPRET=1``, for tests); elsewhere, and for batches above
+``INT8_LMHEAD_MAX_BATCH`` tokens, the bf16 matmul runs as before.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:  # the non-kernel parts (quantization, bounds, config) work without triton
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+
+INT8_LMHEAD_ENV = "SPARKFLEET_INT8_LMHEAD"
+# Largest number of tokens whose logits go through the int8 kernel in one call. Decode and
+# speculative verify (n=12 drafts + 1, times --max-num-seqs 3) stay below it; larger batches (prefill
+# with prompt logprobs) are compute-bound and keep the bf16 GEMM.
+INT8_LMHEAD_MAX_BATCH = 64
+# Rows quantized at a time, to bound the temporary float64 memory of quantization (~400 MB).
+QUANTIZE_CHUNK_ROWS = 16384
+# Programs per batch row in the exact re-scoring kernel.
+RESCORE_PROGRAMS_PER_ROW = 16
+# fp32 accumulation unit roundoff used in the error bound: 2**-22 instead of 2**-24, so the bound
+# also holds for accumulators that truncate (tensor cores) and for reordered sums.
+ACCUMULATION_UNIT_ROUNDOFF = 2.0**-22
+# Twice the relative spacing of the output dtype (2 ulp at |LB|) and an absolute floor near zero.
+OUTPUT_MARGIN = {
+    torch.bfloat16: (2.0**-6, 2.0**-120),
+    torch.float16: (2.0**-9, 2.0**-22),
+    torch.float32: (2.0**-22, 2.0**-120),
+}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of the int8 logits kernel for one batch-size bucket."""
+
+    block_v: int  # vocab rows per program (also the re-scoring granularity)
+    block_b: int  # batch rows per program (tl.dot needs >= 16)
+    block_k: int  # hidden elements per loop step
+    num_warps: int
+    num_stages: int
+    convert: int  # int8 -> bf16: 0 plain cast; 1 byte-permute + fp32 magic number (CUDA, bf16 only)
+    w_is_a: int  # 1: weight tile is the dot's A operand; 0: the activations are
+    programs_per_sm: int = 0  # > 0: persistent grid of this many programs per SM; 0: one per block
+
+
+# Chosen from the autotune sweep in tests/gpu/bench_int8_lmhead.py (tests/gpu/results/*.json) on an
+# H200; keyed by the largest batch of the bucket.
+KERNEL_CONFIGS: dict[int, KernelConfig] = {
+    16: KernelConfig(block_v=128, block_b=16, block_k=128, num_warps=4, num_stages=3, convert=1, w_is_a=1),
+    32: KernelConfig(block_v=128, block_b=32, block_k=128, num_warps=4, num_stages=3, convert=1, w_is_a=1),
+    64: KernelConfig(block_v=128, block_b=64, block_k=128, num_warps=8, num_stages=3, convert=1, w_is_a=1),
+}
+
+
+def int8_lmhead_enabled(environ: dict[str, str] | None = None) -> bool:
+    """Whether ``SPARKFLEET_INT8_LMHEAD`` asks for the int8 lm head; a bad value raises."""
+    value = (os.environ if environ is None else environ).get(INT8_LMHEAD_ENV, "0").strip()
+    if value not in ("0", "1", ""):
+        raise ValueError(f"{INT8_LMHEAD_ENV}={value!r} is not understood: set it to 1 (int8 lm head) or 0")
+    return value == "1"
+
+
+def int8_lmhead_device_supported(device: torch.device) -> bool:
+    """Whether the int8 kernels can run on ``device``: CUDA, or CPU under the Triton interpreter."""
+    if triton is None:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and kernels_interpreted()
+
+
+@dataclass
+class Int8LMHeadWeight:
+    """The int8 copy of one lm-head weight and the per-row numbers the error bound needs."""
+
+    qweight: torch.Tensor  # [V, K] int8, q = round(w / scale), |q| <= 127
+    scale: torch.Tensor  # [V] float32
+    err_max: torch.Tensor  # [V] float32, >= max_k |w - scale * q| (rounded up)
+    err_l2: torch.Tensor  # [V] float32, >= ||w - scale * q||_2 (rounded up)
+    source_data_ptr: int  # the bf16 weight this was made from (re-quantize if it is replaced)
+    source_shape: tuple[int, ...]
+
+
+def _round_up_to_float32(values: torch.Tensor) -> torch.Tensor:
+    """float64 -> float32 rounded towards +inf (bounds must not shrink)."""
+    as_float32 = values.to(torch.float32)
+    too_small = as_float32.to(torch.float64) < values
+    bumped = torch.nextafter(as_float32, torch.full_like(as_float32, math.inf))
+    return torch.where(too_small, bumped, as_float32)
+
+
+def quantize_lm_head_weight(weight: torch.Tensor, chunk_rows: int = QUANTIZE_CHUNK_ROWS) -> Int8LMHeadWeight:
+    """Per-row symmetric int8 quantization of ``weight`` [V, K], with its error bounds, on its device."""
+    if weight.dim() != 2:
+        raise ValueError(f"lm head weight must be 2-D [vocab, hidden], got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise ValueError(f"lm head weight must be floating point, got {weight.dtype}")
+    num_rows, hidden = weight.shape
+    device = weight.device
+    qweight = torch.empty((num_rows, hidden), dtype=torch.int8, device=device)
+    scale = torch.empty(num_rows, dtype=torch.float32, device=device)
+    err_max = torch.empty(num_rows, dtype=torch.float32, device=device)
+    err_l2 = torch.empty(num_rows, dtype=torch.float32, device=device)
+    for start in range(0, num_rows, chunk_rows):
+        rows = slice(start, min(start + chunk_rows, num_rows))
+        w = weight[rows].to(torch.float64)
+        amax = w.abs().amax(dim=1)
+        row_scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(torch.float32)
+        s = row_scale.to(torch.float64)[:, None]
+        q = torch.clamp(torch.round(w / s), -127, 127)
+        err = w - s * q  # exact in float64: w and s*q have < 53 significant bits between them
+        qweight[rows] = q.to(torch.int8)
+        scale[rows] = row_scale
+        err_max[rows] = _round_up_to_float32(err.abs().amax(dim=1))
+        # float64 sum of K squares: relative error < K * 2**-53, covered by the 1e-9 inflation.
+        err_l2[rows] = _round_up_to_float32(err.square().sum(dim=1).sqrt() * (1.0 + 1e-9))
+    return Int8LMHeadWeight(
+        qweight=qweight,
+        scale=scale,
+        err_max=err_max,
+        err_l2=err_l2,
+        source_data_ptr=weight.data_ptr(),
+        source_shape=tuple(weight.shape),
+    )
+
+
+def accumulation_error_coefficient(hidden: int) -> float:
+    """c such that the fp32 kernel's rounding error on a logit is <= c * scale * |x|_1.
+
+    The products q*x are exact in fp32 (8-bit x 8-bit mantissas); a K-term sum has error at most
+    gamma_K = K u / (1 - K u) times sum |q x| <= 127 |x|_1; one more rounding for the scale multiply.
+    """
+    unit = ACCUMULATION_UNIT_ROUNDOFF
+    terms = hidden + 2
+    gamma = terms * unit / (1.0 - terms * unit)
+    return 127.0 * gamma
+
+
+def norm_slack(hidden: int) -> float:
+    """Factor that covers the fp32 rounding of |x|_1, |x|_2 and of the bound arithmetic itself."""
+    return 1.0 + 4.0 * (hidden + 8) * ACCUMULATION_UNIT_ROUNDOFF
+
+
+def int8_logit_error_bound(x: torch.Tensor, packed: Int8LMHeadWeight) -> torch.Tensor:
+    """The bound on |int8 logit - exact logit| that the kernel uses, [B, V] in float64 (for tests).
+
+    Same formula as the kernel's epilogue, evaluated in float64 without the final safety factor on
+    the sum; the kernel's own fp32 evaluation is at least this large up to ``norm_slack``.
+    """
+    hidden = x.shape[1]
+    xf = x.to(torch.float64)
+    x_l1 = xf.abs().sum(dim=1)[:, None]
+    x_l2 = xf.square().sum(dim=1).sqrt()[:, None]
+    scale = packed.scale.to(torch.float64)[None, :]
+    quant = torch.minimum(
+        packed.err_max.to(torch.float64)[None, :] * x_l1, packed.err_l2.to(torch.float64)[None, :] * x_l2
+    )
+    return quant + accumulation_error_coefficient(hidden) * scale * x_l1
+
+
+def select_kernel_config(num_tokens: int) -> KernelConfig:
+    """The tuned config of the smallest batch bucket that holds ``num_tokens``."""
+    for bucket in sorted(KERNEL_CONFIGS):
+        if num_tokens <= bucket:
+            return KERNEL_CONFIGS[bucket]
+    raise ValueError(
+        f"int8 lm head batch of {num_tokens} tokens exceeds the largest bucket {max(KERNEL_CONFIGS)}: "
+        "use the bf16 path for it"
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _to_output_dtype(values, out_ptr, BF16_RN_BY_BITS: tl.constexpr):
+        """fp32 -> the output dtype, round to nearest even (the interpreter truncates to bf16)."""
+        if BF16_RN_BY_BITS:
+            bits = values.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            values = bits.to(tl.float32, bitcast=True)
+        return values.to(out_ptr.dtype.element_ty)
+
+    @triton.jit
+    def _x_norms_kernel(x_ptr, norms_ptr, hidden, stride_x, slack, BLOCK_K: tl.constexpr):
+        """norms[b] = (|x_b|_1, |x_b|_2), each inflated by ``slack`` (fp32 rounding of the sums)."""
+        tok = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_K)
+        l1 = tl.zeros([BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            xv = tl.load(x_ptr + tok.to(tl.int64) * stride_x + k0 + offs, mask=k0 + offs < hidden, other=0.0)
+            xv = xv.to(tl.float32)
+            l1 += tl.abs(xv)
+            sq += xv * xv
+        tl.store(norms_ptr + tok * 2, tl.sum(l1, axis=0) * slack)
+        tl.store(norms_ptr + tok * 2 + 1, tl.sqrt(tl.sum(sq, axis=0)) * slack)
+
+    @triton.jit
+    def _int8_logits_tile(
+        pid_v,
+        pid_b,
+        x_ptr,
+        q_ptr,
+        scale_ptr,
+        err_max_ptr,
+        err_l2_ptr,
+        bias_ptr,
+        norms_ptr,
+        out_ptr,
+        block_lo_ptr,
+        block_hi_ptr,
+        num_tokens,
+        num_rows,
+        num_valid_rows,
+        hidden,
+        stride_x,
+        stride_q,
+        stride_out,
+        stride_block,
+        acc_err_coef,
+        slack,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        CONVERT: tl.constexpr,
+        W_IS_A: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        BF16_RN_BY_BITS: tl.constexpr,
+    ):
+        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_v = offs_v < num_rows
+        mask_b = offs_b < num_tokens
+        # Clamp instead of masking the weight loads: the last block re-reads a valid row, the loads
+        # stay unpredicated and 16 bytes wide.
+        rows = tl.minimum(offs_v, num_rows - 1)
+        toks = tl.minimum(offs_b, num_tokens - 1)
+        w_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_q + offs_k[None, :]
+        x_ptrs = x_ptr + toks[:, None].to(tl.int64) * stride_x + offs_k[None, :]
+        if W_IS_A:
+            acc = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs)
+                xt = tl.load(x_ptrs)
+            else:
+                mask_k = (k0 + offs_k) < hidden
+                w = tl.load(w_ptrs, mask=mask_k[None, :], other=0)
+                xt = tl.load(x_ptrs, mask=mask_k[None, :], other=0.0)
+            if CONVERT == 1:
+                # int8 -> bf16, exact: flip the sign bit (q + 128 as a byte), place the byte in the
+                # mantissa of 2**23 (prmt), subtract 2**23 + 128 in fp32, keep the high halves
+                # (q has <= 8 significant bits, so the low halves are zero).
+                wd = tl.inline_asm_elementwise(
+                    asm="""
+                    {
+                    .reg .b32 u, t0, t1, t2, t3;
+                    xor.b32 u, $2, 0x80808080;
+                    prmt.b32 t0, u, 0x4B000000, 0x7540;
+                    prmt.b32 t1, u, 0x4B000000, 0x7541;
+                    prmt.b32 t2, u, 0x4B000000, 0x7542;
+                    prmt.b32 t3, u, 0x4B000000, 0x7543;
+                    sub.f32 t0, t0, 0f4B000080;
+                    sub.f32 t1, t1, 0f4B000080;
+                    sub.f32 t2, t2, 0f4B000080;
+                    sub.f32 t3, t3, 0f4B000080;
+                    prmt.b32 $0, t0, t1, 0x7632;
+                    prmt.b32 $1, t2, t3, 0x7632;
+                    }
+                    """,
+                    constraints="=r,=r,r",
+                    args=[w],
+                    dtype=tl.bfloat16,
+                    is_pure=True,
+                    pack=4,
+                )
+            elif CONVERT == 2:
+                # Triton interpreter (CPU tests): its bf16 dot is wrong, so both operands go to
+                # fp32; the products are exact either way.
+                wd = w.to(tl.float32)
+                xt = xt.to(tl.float32)
+            else:
+                wd = w.to(xt.dtype)
+            if W_IS_A:
+                acc = tl.dot(wd, tl.trans(xt), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(xt, tl.trans(wd), acc, input_precision="ieee")
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if not W_IS_A:
+            acc = tl.trans(acc)
+        scale = tl.load(scale_ptr + rows)
+        z = acc * scale[:, None]
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
+        out_ptrs = out_ptr + offs_b[None, :].to(tl.int64) * stride_out + offs_v[:, None]
+        tl.store(out_ptrs, _to_output_dtype(z, out_ptr, BF16_RN_BY_BITS), mask=mask_v[:, None] & mask_b[None, :])
+        # Error bound of each int8 logit (see the module docstring); norms carry their own slack.
+        x_l1 = tl.load(norms_ptr + toks * 2)
+        x_l2 = tl.load(norms_ptr + toks * 2 + 1)
+        err_max = tl.load(err_max_ptr + rows)
+        err_l2 = tl.load(err_l2_ptr + rows)
+        quant = tl.minimum(err_max[:, None] * x_l1[None, :], err_l2[:, None] * x_l2[None, :])
+        delta = (quant + (acc_err_coef * scale)[:, None] * x_l1[None, :] + tl.abs(z) * 4.0e-7) * slack
+        valid = (offs_v < num_valid_rows)[:, None] & mask_b[None, :]
+        lo = tl.where(valid, z - delta, -float("inf"))
+        hi = tl.where(valid, z + delta, -float("inf"))
+        block_ptrs = offs_b.to(tl.int64) * stride_block + pid_v
+        tl.store(block_lo_ptr + block_ptrs, tl.max(lo, axis=0), mask=mask_b)
+        tl.store(block_hi_ptr + block_ptrs, tl.max(hi, axis=0), mask=mask_b)
+
+    @triton.jit
+    def _int8_logits_kernel(
+        x_ptr,  # [B, K] activations (bf16/fp16/fp32)
+        q_ptr,  # [V, K] int8
+        scale_ptr,  # [V] fp32
+        err_max_ptr,  # [V] fp32
+        err_l2_ptr,  # [V] fp32
+        bias_ptr,  # [V] or dummy
+        norms_ptr,  # [B, 2] fp32 from _x_norms_kernel
+        out_ptr,  # [B, V] output logits
+        block_lo_ptr,  # [B, NB] fp32: per block max of (zq - delta)
+        block_hi_ptr,  # [B, NB] fp32: per block max of (zq + delta)
+        num_tokens,
+        num_rows,
+        num_valid_rows,  # rows >= this (vocab padding) take no part in the bound
+        num_blocks,
+        hidden,
+        stride_x,
+        stride_q,
+        stride_out,
+        stride_block,
+        acc_err_coef,
+        slack,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        CONVERT: tl.constexpr,
+        W_IS_A: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        BF16_RN_BY_BITS: tl.constexpr,
+        PERSISTENT: tl.constexpr,
+    ):
+        pid_b = tl.program_id(1)
+        if PERSISTENT:
+            # A fixed grid of programs walks the vocab blocks (no partial last wave of blocks).
+            for pid_v in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
+                _int8_logits_tile(pid_v, pid_b, x_ptr, q_ptr, scale_ptr, err_max_ptr, err_l2_ptr, bias_ptr,
+                                  norms_ptr, out_ptr, block_lo_ptr, block_hi_ptr, num_tokens, num_rows,
+                                  num_valid_rows, hidden, stride_x, stride_q, stride_out, stride_block,
+                                  acc_err_coef, slack, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A,
+                                  EVEN_K, BF16_RN_BY_BITS)  # fmt: skip
+        else:
+            _int8_logits_tile(tl.program_id(0), pid_b, x_ptr, q_ptr, scale_ptr, err_max_ptr, err_l2_ptr,
+                              bias_ptr, norms_ptr, out_ptr, block_lo_ptr, block_hi_ptr, num_tokens, num_rows,
+                              num_valid_rows, hidden, stride_x, stride_q, stride_out, stride_block,
+                              acc_err_coef, slack, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A,
+                              EVEN_K, BF16_RN_BY_BITS)  # fmt: skip
+
+    @triton.jit
+    def _exact_rescore_kernel(
+        x_ptr,  # [B, K]
+        w_ptr,  # [V, K] the original (bf16) weight
+        bias_ptr,
+        scale_ptr,
+        err_max_ptr,
+        err_l2_ptr,
+        norms_ptr,
+        out_ptr,  # [B, V] logits from _int8_logits_kernel; candidate tokens overwritten
+        block_lo_ptr,
+        block_hi_ptr,
+        num_rows,
+        num_blocks,
+        hidden,
+        stride_x,
+        stride_w,
+        stride_out,
+        stride_block,
+        acc_err_coef,
+        slack,
+        rel_margin,
+        abs_margin,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NB_POW2: tl.constexpr,
+        PROGRAMS_PER_ROW: tl.constexpr,
+        BF16_RN_BY_BITS: tl.constexpr,
+    ):
+        tok = tl.program_id(0)
+        part = tl.program_id(1)
+        offs_nb = tl.arange(0, NB_POW2)
+        mask_nb = offs_nb < num_blocks
+        row_blocks = tok.to(tl.int64) * stride_block + offs_nb
+        lo = tl.load(block_lo_ptr + row_blocks, mask=mask_nb, other=-float("inf"))
+        hi = tl.load(block_hi_ptr + row_blocks, mask=mask_nb, other=-float("inf"))
+        lower_bound = tl.max(lo, axis=0)  # <= the row's exact maximum logit
+        threshold = lower_bound - (tl.abs(lower_bound) * rel_margin + abs_margin)
+        is_candidate = (hi >= threshold) & mask_nb
+        count = tl.sum(is_candidate.to(tl.int32), axis=0)
+        rank = tl.cumsum(is_candidate.to(tl.int32), axis=0) - 1
+        x_l1 = tl.load(norms_ptr + tok * 2)
+        x_l2 = tl.load(norms_ptr + tok * 2 + 1)
+        offs_r = tl.arange(0, BLOCK_V)
+        offs_k = tl.arange(0, BLOCK_K)
+        out_row = out_ptr + tok.to(tl.int64) * stride_out
+        x_row = x_ptr + tok.to(tl.int64) * stride_x
+        for r in range(part, count, PROGRAMS_PER_ROW):
+            block = tl.sum(tl.where(is_candidate & (rank == r), offs_nb, 0), axis=0)
+            rows = block * BLOCK_V + offs_r
+            mask_r = rows < num_rows
+            safe_rows = tl.minimum(rows, num_rows - 1)
+            # Per-token upper bound from the stored (rounded) int8 logit: rounding adds at most
+            # half an ulp, covered by rel_margin.
+            approx = tl.load(out_row + safe_rows).to(tl.float32)
+            scale = tl.load(scale_ptr + safe_rows)
+            quant = tl.minimum(tl.load(err_max_ptr + safe_rows) * x_l1, tl.load(err_l2_ptr + safe_rows) * x_l2)
+            delta = (quant + acc_err_coef * scale * x_l1 + tl.abs(approx) * 4.0e-7) * slack
+            upper = approx + tl.abs(approx) * rel_margin + abs_margin + delta
+            is_token = (upper >= threshold) & mask_r
+            num_tokens_here = tl.sum(is_token.to(tl.int32), axis=0)
+            token_rank = tl.cumsum(is_token.to(tl.int32), axis=0) - 1
+            for t in range(0, num_tokens_here):
+                row = tl.sum(tl.where(is_token & (token_rank == t), rows, 0), axis=0)
+                acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+                w_row = w_ptr + row.to(tl.int64) * stride_w
+                for k0 in range(0, hidden, BLOCK_K):
+                    kk = k0 + offs_k
+                    mask_k = kk < hidden
+                    w = tl.load(w_row + kk, mask=mask_k, other=0.0).to(tl.float32)
+                    xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
+                    acc += w * xv
+                exact = tl.sum(acc, axis=0)
+                if HAS_BIAS:
+                    exact += tl.load(bias_ptr + row).to(tl.float32)
+                tl.store(out_row + row, _to_output_dtype(exact, out_ptr, BF16_RN_BY_BITS))
+
+
+def kernels_interpreted() -> bool:
+    """Whether the kernels were built for the Triton interpreter (TRITON_INTERPRET=1 before import)."""
+    if triton is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_int8_logits_kernel, InterpretedFunction)
+
+
+def _persistent_programs(device: torch.device, programs_per_sm: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count * programs_per_sm
+
+
+def int8_lm_head_logits(
+    x: torch.Tensor,
+    packed: Int8LMHeadWeight,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    num_valid_rows: int | None = None,
+    exact_argmax: bool = True,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Logits ``x @ weight.T (+ bias)`` of ``x`` [B, K] through the int8 copy, shape [B, V], dtype of x.
+
+    With ``exact_argmax`` (the default) the greedy argmax of the result equals that of the bf16
+    logits (module docstring); without it the result is the plain int8 approximation.
+    ``num_valid_rows``: rows past it (vocab padding) are left out of the bound.
+    """
+    if triton is None:
+        raise RuntimeError("int8 lm head needs triton, which is not installed")
+    if x.dim() != 2:
+        raise ValueError(f"hidden states must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
+    num_tokens, hidden = x.shape
+    num_rows = packed.qweight.shape[0]
+    if packed.qweight.shape[1] != hidden or tuple(weight.shape) != tuple(packed.qweight.shape):
+        raise ValueError(
+            f"hidden size {hidden} does not match the lm head weight {tuple(weight.shape)} / int8 copy "
+            f"{tuple(packed.qweight.shape)}"
+        )
+    if num_tokens == 0:
+        return torch.empty((0, num_rows), dtype=x.dtype, device=x.device)
+    if x.dtype not in OUTPUT_MARGIN:
+        raise ValueError(f"hidden states dtype {x.dtype} unsupported: use bfloat16, float16 or float32")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.stride(1) != 1:
+        raise ValueError("lm head weight must be contiguous along the hidden dimension")
+    on_cpu = x.device.type == "cpu"
+    if on_cpu and not kernels_interpreted():
+        raise RuntimeError(
+            "int8 lm head on CPU tensors runs only under the Triton interpreter: set TRITON_INTERPRET=1 "
+            "before triton is imported"
+        )
+    cfg = config or select_kernel_config(num_tokens)
+    if on_cpu:
+        convert = 2  # the interpreter's fp32 path
+    elif cfg.convert == 1 and x.dtype != torch.bfloat16:
+        convert = 0
+    else:
+        convert = cfg.convert
+    round_by_bits = on_cpu and x.dtype == torch.bfloat16
+    valid_rows = num_rows if num_valid_rows is None else min(num_valid_rows, num_rows)
+    num_blocks = triton.cdiv(num_rows, cfg.block_v)
+    out = torch.empty((num_tokens, num_rows), dtype=x.dtype, device=x.device)
+    block_lo = torch.empty((num_tokens, num_blocks), dtype=torch.float32, device=x.device)
+    block_hi = torch.empty_like(block_lo)
+    norms = torch.empty((num_tokens, 2), dtype=torch.float32, device=x.device)
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else packed.scale
+    acc_err_coef = accumulation_error_coefficient(hidden)
+    slack = norm_slack(hidden)
+    _x_norms_kernel[(num_tokens,)](x, norms, hidden, x.stride(0), slack, BLOCK_K=512)
+    persistent = cfg.programs_per_sm > 0 and not on_cpu
+    grid_v = min(num_blocks, _persistent_programs(x.device, cfg.programs_per_sm)) if persistent else num_blocks
+    _int8_logits_kernel[(grid_v, triton.cdiv(num_tokens, cfg.block_b))](
+        x,
+        packed.qweight,
+        packed.scale,
+        packed.err_max,
+        packed.err_l2,
+        bias_arg,
+        norms,
+        out,
+        block_lo,
+        block_hi,
+        num_tokens,
+        num_rows,
+        valid_rows,
+        num_blocks,
+        hidden,
+        x.stride(0),
+        packed.qweight.stride(0),
+        out.stride(0),
+        block_lo.stride(0),
+        acc_err_coef,
+        slack,
+        HAS_BIAS=has_bias,
+        BLOCK_V=cfg.block_v,
+        BLOCK_B=cfg.block_b,
+        BLOCK_K=cfg.block_k,
+        CONVERT=convert,
+        W_IS_A=cfg.w_is_a,
+        EVEN_K=hidden % cfg.block_k == 0,
+        BF16_RN_BY_BITS=round_by_bits,
+        PERSISTENT=persistent,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if exact_argmax:
+        rel_margin, abs_margin = OUTPUT_MARGIN[x.dtype]
+        _exact_rescore_kernel[(num_tokens, RESCORE_PROGRAMS_PER_ROW)](
+            x,
+            weight,
+            bias_arg,
+            packed.scale,
+            packed.err_max,
+            packed.err_l2,
+            norms,
+            out,
+            block_lo,
+            block_hi,
+            num_rows,
+            num_blocks,
+            hidden,
+            x.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            block_lo.stride(0),
+            acc_err_coef,
+            slack,
+            rel_margin,
+            abs_margin,
+            HAS_BIAS=has_bias,
+            BLOCK_V=cfg.block_v,
+            BLOCK_K=512,
+            NB_POW2=triton.next_power_of_2(num_blocks),
+            PROGRAMS_PER_ROW=RESCORE_PROGRAMS_PER_ROW,
+            BF16_RN_BY_BITS=round_by_bits,
+            num_warps=4,
+        )
+    return out
+
+
+LAYER_ATTRIBUTE = "sparkfleet_int8_lm_head"
+
+
+def prepare_int8_lm_head(layer: torch.nn.Module) -> Int8LMHeadWeight | None:
+    """Attach (or refresh) the int8 copy of ``layer.weight`` when the device can run the kernels.
+
+    The copy is a plain attribute, not a parameter or buffer: weight loading, ``state_dict`` and the
+    drafter's ``_maybe_share_lm_head`` (which compares ``.weight``) see the layer unchanged.
+    """
+    weight = getattr(layer, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0:
+        return None
+    if not int8_lmhead_device_supported(weight.device):
+        setattr(layer, LAYER_ATTRIBUTE, None)
+        return None
+    with torch.no_grad():
+        packed = quantize_lm_head_weight(weight.detach())
+    setattr(layer, LAYER_ATTRIBUTE, packed)
+    return packed
+
+
+def int8_lm_head_apply(
+    layer: torch.nn.Module,
+    x: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    num_valid_rows: int | None = None,
+) -> torch.Tensor | None:
+    """The int8 logits of ``layer`` for ``x``, or None when the bf16 path must run instead."""
+    packed: Int8LMHeadWeight | None = getattr(layer, LAYER_ATTRIBUTE, None)
+    if packed is None or x.dim() != 2 or not 0 < x.shape[0] <= INT8_LMHEAD_MAX_BATCH:
+        return None
+    weight = layer.weight
+    if weight.data_ptr() != packed.source_data_ptr or tuple(weight.shape) != packed.source_shape:
+        packed = prepare_int8_lm_head(layer)  # the weight was replaced (reload): quantize it again
+        if packed is None:
+            return None
+    if x.device != weight.device or not int8_lmhead_device_supported(x.device):
+        return None
+    return int8_lm_head_logits(x, packed, weight, bias, num_valid_rows=num_valid_rows)

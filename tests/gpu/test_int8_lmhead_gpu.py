@@ -1,0 +1,74 @@
+"""GPU checks of the int8 lm head (sparkfleet/int8_lmhead.py): exact greedy argmax, bound, configs.
+
+Run on a CUDA machine: ``python -m pytest tests/gpu -m gpu``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from sparkfleet import int8_lmhead as lmhead  # noqa: E402
+from tests.gpu.near_ties import bf16_reference_argmax, near_tie_problem  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+]
+
+FULL_ROWS, FULL_HIDDEN = 248_320, 3_072
+
+
+@pytest.mark.parametrize("batch", [1, 2, 13, 16, 32, 40])
+def test_near_ties_full_shape_exact(batch: int) -> None:
+    weight, x = near_tie_problem(FULL_ROWS, FULL_HIDDEN, batch, seed=batch, device="cuda")
+    packed = lmhead.quantize_lm_head_weight(weight)
+    exact = lmhead.int8_lm_head_logits(x, packed, weight)
+    plain = lmhead.int8_lm_head_logits(x, packed, weight, exact_argmax=False)
+    want = bf16_reference_argmax(x, weight)
+    assert exact.argmax(-1).tolist() == want.tolist()
+    # cuBLAS agrees on this data (its rounding differs from float64 only far below the top).
+    assert exact.argmax(-1).tolist() == torch.nn.functional.linear(x, weight).argmax(-1).tolist()
+    if batch >= 13:  # the problem has teeth: plain int8 logits pick another token somewhere
+        assert plain.argmax(-1).tolist() != want.tolist()
+
+
+@pytest.mark.parametrize("convert,w_is_a", [(0, 1), (1, 1), (0, 0), (1, 0)])
+@pytest.mark.parametrize("batch", [1, 7, 32])
+def test_every_kernel_variant_matches_float64(convert: int, w_is_a: int, batch: int) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    rows, hidden = 50_000 + 37, 3_072
+    weight = (torch.randn(rows, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(batch, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    packed = lmhead.quantize_lm_head_weight(weight)
+    base = lmhead.select_kernel_config(batch)
+    cfg = dataclasses.replace(base, convert=convert, w_is_a=w_is_a)
+    out = torch.full((batch, rows), float("nan"), device="cuda")
+    out = lmhead.int8_lm_head_logits(x, packed, weight, exact_argmax=False, config=cfg)
+    assert not torch.isnan(out).any()
+    dequant = packed.qweight.double() * packed.scale.double()[:, None]
+    want = x.double() @ dequant.T
+    rel = (out.double() - want).norm() / want.norm()
+    assert rel < 4e-3  # bf16 output rounding
+    exact = x.double() @ weight.double().T
+    bound = lmhead.int8_logit_error_bound(x, packed) + out.double().abs() * 2.0**-8
+    assert bool(((out.double() - exact).abs() <= bound).all())
+    assert lmhead.int8_lm_head_logits(x, packed, weight, config=cfg).argmax(-1).tolist() == (
+        bf16_reference_argmax(x, weight).tolist()
+    )
+
+
+def test_bias_and_odd_hidden() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    rows, hidden = 4_099, 1_000  # hidden not a multiple of any BLOCK_K
+    weight = (torch.randn(rows, hidden, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(rows, device="cuda", generator=gen).to(torch.bfloat16)
+    x = torch.randn(5, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    packed = lmhead.quantize_lm_head_weight(weight)
+    out = lmhead.int8_lm_head_logits(x, packed, weight, bias)
+    want = (x.double() @ weight.double().T + bias.double()).to(torch.bfloat16).argmax(-1)
+    assert out.argmax(-1).tolist() == want.tolist()
