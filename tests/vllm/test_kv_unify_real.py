@@ -7,7 +7,8 @@ ModelConfig / SpeculativeConfig / CacheConfig), then vLLM's own steps run:
 2. the KV cache specs the model's layers report: real ``Attention`` layers (target full attention and
    drafter layers, built with the arguments DFlashQwen3Attention passes) and the GDN ``MambaSpec`` from
    the model class's ``get_mamba_state_shape_from_config`` / ``get_mamba_state_dtype_from_config``;
-3. ``get_kv_cache_groups`` (which calls ``unify_kv_cache_spec_page_size``);
+3. ``get_kv_cache_configs`` (``get_kv_cache_groups``, which calls ``unify_kv_cache_spec_page_size``),
+   the scheduler's block sizes (``resolve_kv_cache_block_sizes``) and a ``KVCacheManager`` over the result;
 4. the runner's ``select_common_block_size`` and ``GPUModelRunner._reshape_kv_cache_tensors`` on small
    CPU buffers (the runner is the one stand-in: a namespace carrying the attributes that method reads).
 
@@ -59,6 +60,7 @@ DRAFTERS = {
 }
 REFERENCE_NS = (0, 5, 8, 12, 15)
 MAX_MODEL_LEN = 4096
+KV_CACHE_BYTES = 4 << 30  # what get_kv_cache_configs may plan with (nothing is allocated)
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,7 @@ class RealVLLM:
         from vllm.model_executor.layers.attention.attention import Attention
         from vllm.model_executor.models import ModelRegistry
         from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
         from vllm.v1.worker.utils import select_common_block_size
 
@@ -323,12 +326,25 @@ class RealVLLM:
                 specs[f"model.layers.{len(layer_types) + index}.self_attn.attn"] = draft_spec
                 roles[f"model.layers.{len(layer_types) + index}.self_attn.attn"] = "drafter attention"
 
-        # 3. grouping and page-size unification
+        # 3. grouping and page-size unification (get_kv_cache_configs -> get_kv_cache_groups), then
+        # the scheduler side: its block sizes and the KV cache manager over the unified config
         try:
-            groups = code.kv_cache_utils.get_kv_cache_groups(vllm_config, specs)
+            kv_cache_config = code.kv_cache_utils.get_kv_cache_configs(vllm_config, [specs], [KV_CACHE_BYTES])[0]
         except (AssertionError, NotImplementedError, ValueError) as exc:
             outcome.stage, outcome.error = "unify", f"{type(exc).__name__}: {exc}"
             return outcome
+        groups = kv_cache_config.kv_cache_groups
+        scheduler_block_size, hash_block_size = code.kv_cache_utils.resolve_kv_cache_block_sizes(
+            kv_cache_config, vllm_config
+        )
+        KVCacheManager(
+            kv_cache_config,
+            MAX_MODEL_LEN,
+            scheduler_block_size,
+            hash_block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            use_eagle=case.drafter is not None,
+        )
         pages = {group.kv_cache_spec.page_size_bytes for group in groups}
         assert len(pages) == 1, f"get_kv_cache_groups returned several page sizes: {pages}"
         outcome.page_size_bytes = pages.pop()
