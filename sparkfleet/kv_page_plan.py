@@ -423,13 +423,18 @@ def plan(
     attention_backend: str | None = None,
     platform: str = "cuda",
     block_size: int | None = None,
+    enable_prefix_caching: bool = False,
 ) -> KVPlan:
     """Predict vLLM 0.23's KV page unification for a target + drafter, stock or patched.
 
     ``num_speculative_tokens`` 0 (or no drafter config) plans the target alone. ``block_size`` is a
     user --block-size (None: the platform's default). ``attention_backend`` defaults to FLASH_ATTN on
-    CUDA and CPU_ATTN on CPU. Raises KVPlanInputError for configs or options it cannot read.
+    CUDA and CPU_ATTN on CPU. With prefix caching the modelled architectures run mamba cache mode
+    "align" (none of them supports "all"), whose alignment is the one without prefix caching, so
+    ``enable_prefix_caching`` changes no figure. Raises KVPlanInputError for configs or options it
+    cannot read.
     """
+    del enable_prefix_caching  # same alignment in mamba cache modes "none" and "align"
     if platform not in PLATFORMS:
         raise KVPlanInputError(f"platform {platform!r} is not modelled; use one of {', '.join(PLATFORMS)}")
     if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
@@ -583,6 +588,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--attention-backend", choices=BACKENDS, help="default: FLASH_ATTN (cuda), CPU_ATTN (cpu)")
     parser.add_argument("--platform", default="cuda", choices=PLATFORMS)
     parser.add_argument("--block-size", type=int, help="a user --block-size (default: the platform's)")
+    parser.add_argument("--enable-prefix-caching", action="store_true", help="as vLLM's flag (same figures)")
     parser.add_argument(
         "--stock", action="store_true", help="judge stock vLLM 0.23 (default: with patch 0001, as sparkfleet ships)"
     )
@@ -606,6 +612,7 @@ def run(args: argparse.Namespace) -> int:
             "attention_backend": args.attention_backend,
             "platform": args.platform,
             "block_size": args.block_size,
+            "enable_prefix_caching": args.enable_prefix_caching,
         }
         plans = {
             version: plan(target, drafter, args.num_speculative_tokens, version == "patched", **options)

@@ -76,6 +76,7 @@ class Case:
     mamba_ssm_cache_dtype: str = "auto"
     platform: str = "cuda"
     block_size: int | None = None
+    enable_prefix_caching: bool = False
 
     def plan(self, patched: bool) -> kv_page_plan.KVPlan:
         return kv_page_plan.plan(
@@ -88,6 +89,7 @@ class Case:
             mamba_ssm_cache_dtype=self.mamba_ssm_cache_dtype,
             platform=self.platform,
             block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
 
@@ -231,7 +233,7 @@ class RealVLLM:
         cache_kwargs: dict[str, Any] = {
             "cache_dtype": case.kv_cache_dtype,
             "mamba_ssm_cache_dtype": case.mamba_ssm_cache_dtype,
-            "enable_prefix_caching": False,
+            "enable_prefix_caching": case.enable_prefix_caching,
         }
         if case.block_size is not None:
             cache_kwargs["block_size"] = case.block_size
@@ -557,6 +559,11 @@ def grid_cases() -> list[Case]:
         cases.append(
             Case("--block-size 4096", target, DRAFTERS_JSON[revision], f"dflash {revision}", 5, block_size=4096)
         )
+    # prefix caching on (mamba cache mode "align"; the KV cache manager gets the hybrid coordinator)
+    for revision in DRAFTERS:
+        cases.append(
+            Case("prefix caching", target, DRAFTERS_JSON[revision], f"dflash {revision}", 8, enable_prefix_caching=True)
+        )
     # the CPU platform (sandbox): block 128, CPU_ATTN
     for revision in DRAFTERS:
         for n in (5, 12):
@@ -783,6 +790,8 @@ def render_table(rows: list[dict[str, Any]]) -> list[str]:
             options.append(f"block {case.block_size}")
         if case.platform != "cuda":
             options.append(case.platform)
+        if case.enable_prefix_caching:
+            options.append("prefix caching")
         agrees = all(_agrees(row) for row in (stock_row, patched_row))
         lines.append(
             f"| {case.name} | {drafter} | {case.num_speculative_tokens} | {', '.join(options) or '-'} | "
@@ -822,7 +831,7 @@ def render_document(reference: list[dict[str, Any]], grid: list[dict[str, Any]],
         "assert or NotImplementedError in `get_kv_cache_groups`; `kernel`: no kernel block size;",
         "`view`: the runner's KV view). *planner agrees* compares `sparkfleet kv-plan` with both cells.",
         "CUDA cases use the FLASH_ATTN backend class (kernel blocks 16/32/64 with a float32 SSM state);",
-        "prefix caching off, as the recipe serves.",
+        "prefix caching off (as the recipe serves) unless the options say otherwise.",
         "",
         "## Qwen3.5-122B-A10B with the DFlash drafter revisions",
         "",
