@@ -75,8 +75,9 @@ INT8_LMHEAD_ENV = "SPARKFLEET_INT8_LMHEAD"
 INT8_LMHEAD_MAX_BATCH = 64
 # Rows quantized at a time, to bound the temporary float64 memory of quantization (~400 MB).
 QUANTIZE_CHUNK_ROWS = 16384
-# Programs per batch row in the exact re-scoring kernel.
-RESCORE_PROGRAMS_PER_ROW = 16
+# Programs per batch row in the exact re-scoring kernel (512 // batch, within these limits).
+RESCORE_MIN_PROGRAMS_PER_ROW = 16
+RESCORE_MAX_PROGRAMS_PER_ROW = 128
 # fp32 accumulation unit roundoff used in the error bound: 2**-22 instead of 2**-24, so the bound
 # also holds for accumulators that truncate (tensor cores) and for reordered sums.
 ACCUMULATION_UNIT_ROUNDOFF = 2.0**-22
@@ -105,9 +106,9 @@ class KernelConfig:
 # Chosen from the autotune sweep in tests/gpu/bench_int8_lmhead.py (tests/gpu/results/*.json) on an
 # H200; keyed by the largest batch of the bucket.
 KERNEL_CONFIGS: dict[int, KernelConfig] = {
-    16: KernelConfig(block_v=128, block_b=16, block_k=128, num_warps=4, num_stages=3, convert=1, w_is_a=1),
-    32: KernelConfig(block_v=128, block_b=32, block_k=128, num_warps=4, num_stages=3, convert=1, w_is_a=1),
-    64: KernelConfig(block_v=128, block_b=64, block_k=128, num_warps=8, num_stages=3, convert=1, w_is_a=1),
+    16: KernelConfig(block_v=128, block_b=16, block_k=256, num_warps=4, num_stages=3, convert=0, w_is_a=0),
+    32: KernelConfig(block_v=128, block_b=32, block_k=256, num_warps=4, num_stages=3, convert=0, w_is_a=0),
+    64: KernelConfig(block_v=128, block_b=64, block_k=256, num_warps=4, num_stages=3, convert=0, w_is_a=0),
 }
 
 
@@ -450,6 +451,7 @@ if triton is not None:
         NB_POW2: tl.constexpr,
         PROGRAMS_PER_ROW: tl.constexpr,
         BF16_RN_BY_BITS: tl.constexpr,
+        ONE_CHUNK: tl.constexpr,
     ):
         tok = tl.program_id(0)
         part = tl.program_id(1)
@@ -469,6 +471,7 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         out_row = out_ptr + tok.to(tl.int64) * stride_out
         x_row = x_ptr + tok.to(tl.int64) * stride_x
+        x_first = tl.load(x_row + offs_k, mask=offs_k < hidden, other=0.0).to(tl.float32)
         for r in range(part, count, PROGRAMS_PER_ROW):
             block = tl.sum(tl.where(is_candidate & (rank == r), offs_nb, 0), axis=0)
             rows = block * BLOCK_V + offs_r
@@ -486,15 +489,19 @@ if triton is not None:
             token_rank = tl.cumsum(is_token.to(tl.int32), axis=0) - 1
             for t in range(0, num_tokens_here):
                 row = tl.sum(tl.where(is_token & (token_rank == t), rows, 0), axis=0)
-                acc = tl.zeros([BLOCK_K], dtype=tl.float32)
                 w_row = w_ptr + row.to(tl.int64) * stride_w
-                for k0 in range(0, hidden, BLOCK_K):
-                    kk = k0 + offs_k
-                    mask_k = kk < hidden
-                    w = tl.load(w_row + kk, mask=mask_k, other=0.0).to(tl.float32)
-                    xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
-                    acc += w * xv
-                exact = tl.sum(acc, axis=0)
+                if ONE_CHUNK:  # the whole row in one load: one memory latency per token
+                    w = tl.load(w_row + offs_k, mask=offs_k < hidden, other=0.0).to(tl.float32)
+                    exact = tl.sum(w * x_first, axis=0)
+                else:
+                    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+                    for k0 in range(0, hidden, BLOCK_K):
+                        kk = k0 + offs_k
+                        mask_k = kk < hidden
+                        w = tl.load(w_row + kk, mask=mask_k, other=0.0).to(tl.float32)
+                        xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
+                        acc += w * xv
+                    exact = tl.sum(acc, axis=0)
                 if HAS_BIAS:
                     exact += tl.load(bias_ptr + row).to(tl.float32)
                 tl.store(out_row + row, _to_output_dtype(exact, out_ptr, BF16_RN_BY_BITS))
@@ -611,7 +618,10 @@ def int8_lm_head_logits(
     )
     if exact_argmax:
         rel_margin, abs_margin = OUTPUT_MARGIN[x.dtype]
-        _exact_rescore_kernel[(num_tokens, RESCORE_PROGRAMS_PER_ROW)](
+        # Enough programs per row that each re-scores a few tokens (latency-bound work).
+        programs_per_row = max(RESCORE_MIN_PROGRAMS_PER_ROW, min(RESCORE_MAX_PROGRAMS_PER_ROW, 512 // num_tokens))
+        rescore_block_k = min(triton.next_power_of_2(hidden), 4096)
+        _exact_rescore_kernel[(num_tokens, programs_per_row)](
             x,
             weight,
             bias_arg,
@@ -635,10 +645,11 @@ def int8_lm_head_logits(
             abs_margin,
             HAS_BIAS=has_bias,
             BLOCK_V=cfg.block_v,
-            BLOCK_K=512,
+            BLOCK_K=rescore_block_k,
             NB_POW2=triton.next_power_of_2(num_blocks),
-            PROGRAMS_PER_ROW=RESCORE_PROGRAMS_PER_ROW,
+            PROGRAMS_PER_ROW=programs_per_row,
             BF16_RN_BY_BITS=round_by_bits,
+            ONE_CHUNK=hidden <= rescore_block_k,
             num_warps=4,
         )
     return out
