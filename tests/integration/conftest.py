@@ -1,0 +1,59 @@
+"""Helpers for integration tests: run playbooks against the sandbox fleet and read their recap."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.sandbox.conftest import sandbox_fleet  # noqa: F401 - the fleet fixture, shared
+
+ROOT = Path(__file__).resolve().parents[2]
+ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
+RECAP = re.compile(
+    r"^(?P<host>\S+)\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
+    r"\s+failed=(?P<failed>\d+)"
+)
+
+
+@dataclass
+class PlaybookRun:
+    returncode: int
+    output: str
+    recap: dict[str, dict[str, int]]
+
+    def changed(self) -> dict[str, int]:
+        return {host: r["changed"] for host, r in self.recap.items()}
+
+
+def run_playbook(*args: str, env: dict[str, str] | None = None, timeout: int = 1800) -> PlaybookRun:
+    """ansible-playbook from the repo root with the sandbox inventory; output is echoed for the log."""
+    cmd = [str(ANSIBLE_PLAYBOOK), "-i", "inventory/sandbox", *args]
+    full_env = {
+        **os.environ,
+        "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_FORCE_COLOR": "0",
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    output = proc.stdout + proc.stderr
+    print(f"$ {' '.join(cmd)}\n{output[-6000:]}")
+    recap = {}
+    for line in output.splitlines():
+        m = RECAP.match(line.strip())
+        if m:
+            recap[m["host"]] = {k: int(v) for k, v in m.groupdict().items() if k != "host"}
+    return PlaybookRun(proc.returncode, output, recap)
+
+
+@pytest.fixture(scope="session")
+def sandbox_hosts(sandbox_fleet) -> list[str]:  # noqa: F811 - the fixture imported above
+    return sandbox_fleet.names

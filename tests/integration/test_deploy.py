@@ -1,0 +1,107 @@
+"""The real deploy, end to end, on the 3-host sandbox fleet (issue 2's acceptance).
+
+One deploy of the `dflash` profile; then its effects are checked on the hosts themselves, a second
+run must change nothing, and check mode on the converged fleet must report nothing to change.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from tests.integration.conftest import run_playbook
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+UNIT = "sparkfleet-vllm-dflash.service"
+
+
+@pytest.fixture(scope="module")
+def deployed(sandbox_hosts: list[str]):
+    run = run_playbook("site.yml", "-e", "sparkfleet_profile=dflash")
+    assert run.returncode == 0, run.output[-4000:]
+    assert set(run.recap) >= set(sandbox_hosts)
+    return run
+
+
+def test_every_host_is_serving_and_summarised(deployed, sandbox_hosts, sandbox_fleet) -> None:
+    for host in sandbox_hosts:
+        assert deployed.recap[host]["failed"] == 0
+        state = sandbox_fleet.ssh(host, f"systemctl is-active {UNIT}").stdout.strip()
+        assert state == "active", f"{host}: {UNIT} is {state}"
+        enabled = sandbox_fleet.ssh(host, f"systemctl is-enabled {UNIT}").stdout.strip()
+        assert enabled == "enabled"
+        listening = sandbox_fleet.ssh(host, "ss -Hltn 'sport = :8000'").stdout
+        assert "127.0.0.1:8000" in listening, f"{host}: nothing listens on 127.0.0.1:8000: {listening!r}"
+        # the summary names each host with its profile and health
+        assert any(
+            host in line and "profile=dflash" in line and "health=ok" in line
+            for line in deployed.output.splitlines()
+        ), f"no summary line for {host}"
+
+
+def test_a_completion_over_http_returns_text(deployed, sandbox_hosts, sandbox_fleet) -> None:
+    request = json.dumps({"model": "qwen", "prompt": "1 2 3 4", "max_tokens": 8, "temperature": 0})
+    script = (
+        "import json,sys,urllib.request;"
+        "r=urllib.request.Request('http://127.0.0.1:8000/v1/completions',data=sys.argv[1].encode(),"
+        "headers={'Content-Type':'application/json'});"
+        "print(urllib.request.urlopen(r,timeout=60).read().decode())"
+    )
+    texts = {}
+    for host in sandbox_hosts:
+        out = sandbox_fleet.ssh(host, f"python3 -c {shlex.quote(script)} {shlex.quote(request)}")
+        assert out.returncode == 0, out.stderr
+        body = json.loads(out.stdout)
+        assert body["usage"]["completion_tokens"] >= 1
+        texts[host] = body["choices"][0]["text"]
+        assert texts[host], f"{host}: empty completion"
+    # same model, same weights, temperature 0: every host answers the same
+    assert len(set(texts.values())) == 1, texts
+
+
+def test_the_service_runs_unprivileged_and_hardened(deployed, sandbox_hosts, sandbox_fleet) -> None:
+    host = sandbox_hosts[0]
+    user = sandbox_fleet.ssh(host, f"systemctl show -p User --value {UNIT}").stdout.strip()
+    assert user == "vllm"
+    pid = sandbox_fleet.ssh(host, f"systemctl show -p MainPID --value {UNIT}").stdout.strip()
+    uid = sandbox_fleet.ssh(host, f"stat -c %u /proc/{pid}").stdout.strip()
+    assert uid != "0"
+    env_mode = sandbox_fleet.ssh(host, "stat -c '%a %U' /etc/sparkfleet/vllm-dflash.env").stdout.strip()
+    assert env_mode == "600 vllm"
+    props = sandbox_fleet.ssh(
+        host, f"systemctl show -p NoNewPrivileges -p ProtectSystem -p Restart {UNIT}"
+    ).stdout
+    assert (
+        "NoNewPrivileges=yes" in props and "ProtectSystem=strict" in props and "Restart=on-failure" in props
+    )
+    patchset = sandbox_fleet.ssh(host, f"systemctl show -p Environment --value {UNIT}").stdout
+    assert "SPARKFLEET_PATCHSET=" in patchset
+
+
+def test_second_run_changes_nothing(deployed, sandbox_hosts) -> None:
+    again = run_playbook("site.yml", "-e", "sparkfleet_profile=dflash")
+    assert again.returncode == 0, again.output[-4000:]
+    assert {h: again.recap[h]["changed"] for h in sandbox_hosts} == dict.fromkeys(sandbox_hosts, 0)
+
+
+def test_check_mode_on_a_converged_fleet_reports_nothing(deployed, sandbox_hosts) -> None:
+    check = run_playbook("site.yml", "-e", "sparkfleet_profile=dflash", "--check", "--diff")
+    assert check.returncode == 0, check.output[-4000:]
+    assert {h: check.recap[h]["changed"] for h in sandbox_hosts} == dict.fromkeys(sandbox_hosts, 0)
+
+
+def test_unknown_profile_fails_before_any_host_is_touched(deployed, sandbox_hosts, sandbox_fleet) -> None:
+    before = sandbox_fleet.ssh(
+        sandbox_hosts[0], f"systemctl show -p ActiveEnterTimestamp --value {UNIT}"
+    ).stdout
+    bad = run_playbook("site.yml", "-e", "sparkfleet_profile=turbo")
+    assert bad.returncode != 0
+    assert "unknown profile 'turbo': valid profiles are" in bad.output
+    assert not any(h in bad.recap for h in sandbox_hosts), "a host was contacted"
+    after = sandbox_fleet.ssh(
+        sandbox_hosts[0], f"systemctl show -p ActiveEnterTimestamp --value {UNIT}"
+    ).stdout
+    assert before == after
