@@ -137,11 +137,10 @@ def load_patched_vllm(workdir: Path) -> SimpleNamespace:
         check=False,
     )
     assert result.returncode == 0, f"patch does not apply to the installed vllm:\n{result.stdout}{result.stderr}"
+    loaded = {"vllm/platforms/interface.py": "interface", "vllm/v1/core/kv_cache_utils.py": "kv_cache_utils"}
+    assert set(patched_file_paths(patch_text)) == set(loaded), "the patch touches files this test does not load"
     modules = {}
-    for rel, key in (
-        ("vllm/platforms/interface.py", "interface"),
-        ("vllm/v1/core/kv_cache_utils.py", "kv_cache_utils"),
-    ):
+    for rel, key in loaded.items():
         name = "sparkfleet_patched_" + rel.removesuffix(".py").replace("/", "_")
         spec = importlib.util.spec_from_file_location(name, workdir / rel)
         assert spec is not None and spec.loader is not None
@@ -714,7 +713,11 @@ def test_patched_alignment_ignores_drafterless_speculation(real_vllm: RealVLLM, 
         code.interface.Platform._align_hybrid_block_size(vllm_config, attention_backend_class("cuda"))
         results.append((vllm_config.cache_config.block_size, vllm_config.cache_config.mamba_page_size_padded))
     assert results[0] == results[1]
-    assert results[0][0] > 2000 and results[0][0] % 16 == 0
+    # the planner models drafter-less speculation as no drafter config with n > 0
+    for patched in (False, True):
+        predicted = kv_page_plan.plan(load_json(TARGET_FIXTURE), None, n, patched)
+        assert predicted.attention_block_size == results[0][0]
+        assert predicted.page_size_bytes == (results[0][1] or predicted.mamba_page_size_bytes)
 
 
 def test_a_padded_attention_page_with_a_smaller_kernel_block_mis_strides(real_vllm: RealVLLM) -> None:
