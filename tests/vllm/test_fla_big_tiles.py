@@ -99,7 +99,10 @@ def build_vllm_tree(dest: Path, patch: Path | None) -> Path:
 @pytest.fixture(scope="module")
 def picks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[str, Any]]]:
     root = tmp_path_factory.mktemp("fla_tiles")
-    trees = {"stock": build_vllm_tree(root / "stock", None), "patched": build_vllm_tree(root / "patched", PATCH)}
+    trees = {
+        "stock": build_vllm_tree(root / "stock", None),
+        "patched": build_vllm_tree(root / "patched", PATCH),
+    }
     processes = {}
     for tree, site in trees.items():
         env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO_ROOT}")
@@ -172,7 +175,9 @@ def _pick_for(device: str) -> dict[str, Any]:
 
     name, backend, capability, shared = DEVICES[device]
     if triton_utils.HAS_TRITON:
-        raise RuntimeError("vLLM found a real Triton driver here; this driver fakes the GPU on CPU hosts only")
+        raise RuntimeError(
+            "vLLM found a real Triton driver here; this driver fakes the GPU on CPU hosts only"
+        )
     for module in [m for m in sys.modules if m.startswith("vllm.model_executor.layers.fla")]:
         del sys.modules[module]
     triton_utils.triton.runtime = SimpleNamespace(

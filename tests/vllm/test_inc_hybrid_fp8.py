@@ -51,6 +51,8 @@ LAYERS = ("language_model.model.layers.0", "language_model.model.layers.1")
 FP8_PREFIXES = {
     f"{layer}.mlp.shared_expert.{proj}" for layer in LAYERS for proj in ("gate_up_proj", "down_proj")
 }
+HUB_REPO = "sparkfleet-test/tiny-hybrid-fp8"
+HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
 INT4_PREFIXES = {
     "language_model.model.layers.0.linear_attn.in_proj_qkvz",
     "language_model.model.layers.0.linear_attn.out_proj",
@@ -111,16 +113,22 @@ def build_vllm_tree(dest: Path, patch: Path | None) -> Path:
     return site
 
 
-def run_driver(site: Path, out: Path, *jobs: str) -> dict[str, Any]:
-    env = dict(
-        os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO_ROOT}", VLLM_CACHE_ROOT=str(out.parent / "cache")
-    )
-    env.pop("VLLM_TARGET_DEVICE", None)
-    result = subprocess.run(
-        [sys.executable, __file__, str(out), *jobs], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, f"driver failed:\n{result.stdout[-4000:]}\n{result.stderr[-8000:]}"
-    return json.loads(out.read_text())
+def run_drivers(*runs: tuple[Path, Path, list[str]]) -> list[dict[str, Any]]:
+    """Run the driver once per (site, out, jobs), all at the same time (importing vllm dominates)."""
+    processes = []
+    for site, out, jobs in runs:
+        env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO_ROOT}")
+        env["VLLM_CACHE_ROOT"] = str(out.parent / "vllm-cache")
+        env["HF_HOME"] = str(out.parent / "hf")
+        env["HF_HUB_OFFLINE"] = "1"
+        command = [sys.executable, __file__, str(out), *jobs]
+        processes.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    results = []
+    for (_site, out, _jobs), process in zip(runs, processes, strict=True):
+        output, _ = process.communicate(timeout=300)
+        assert process.returncode == 0, f"driver failed:\n{output.decode(errors='replace')[-8000:]}"
+        results.append(json.loads(out.read_text()))
+    return results
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -135,15 +143,29 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any
     root = tmp_path_factory.mktemp("inc_hybrid")
     block = write_hybrid_fp8_checkpoint(root / "ckpt-block", fp8_scales="block").path
     tensor = write_hybrid_fp8_checkpoint(root / "ckpt-tensor", fp8_scales="tensor").path
+    # The same checkpoint as a Hub repo in an offline Hugging Face cache, downloaded at a pinned commit
+    # (a snapshot folder, no refs/main), as the model_cache role leaves it on a Spark.
+    snapshot = root / "hf" / "hub" / f"models--{HUB_REPO.replace('/', '--')}" / "snapshots" / HUB_REVISION
+    shutil.copytree(block, snapshot)
+    hub = f"{HUB_REPO}@{HUB_REVISION}"
     stock_site = build_vllm_tree(root / "stock", None)
     patched_site = build_vllm_tree(root / "patched", PATCH)
-    stock = run_driver(stock_site, root / "stock.json", f"{block}:full", f"{tensor}:full")
-    patched = run_driver(patched_site, root / "patched.json", f"{block}:decide", f"{tensor}:full")
+    stock, patched = run_drivers(
+        (stock_site, root / "stock.json", [f"{block}:full", f"{tensor}:full", f"{hub}:decide"]),
+        (
+            patched_site,
+            root / "patched.json",
+            [f"{block}:decide", f"{tensor}:full", f"{block}:headers", f"{hub}:decide"],
+        ),
+    )
     return {
-        "stock-block": stock[str(block)],
-        "stock-tensor": stock[str(tensor)],
-        "patched-block": patched[str(block)],
-        "patched-tensor": patched[str(tensor)],
+        "stock-hub": stock[f"{hub}:decide"],
+        "patched-hub": patched[f"{hub}:decide"],
+        "stock-block": stock[f"{block}:full"],
+        "stock-tensor": stock[f"{tensor}:full"],
+        "patched-block": patched[f"{block}:decide"],
+        "patched-tensor": patched[f"{tensor}:full"],
+        "patched-headers": patched[f"{block}:headers"],
     }
 
 
@@ -217,12 +239,18 @@ def test_patched_fp8_parameters_stand_for_the_checkpoint_matrix(results: dict[st
         )
 
 
-def test_bad_fp8_checkpoints_fail_with_the_layer_named(tmp_path: Path) -> None:
-    from tests.fixtures.hybrid_fp8_checkpoint import write_hybrid_fp8_checkpoint
+def test_hub_repo_at_a_pinned_revision(results: dict[str, dict[str, Any]]) -> None:
+    patched = results["patched-hub"]
+    fp8 = {prefix for prefix, method in _linear_decisions(patched).items() if method == "Fp8LinearMethod"}
+    assert fp8 == FP8_PREFIXES
+    assert results["stock-hub"]["fp8_layers"] == []
+    # The revision passthrough matters: without it the cache lookup misses and nothing is detected.
+    assert patched["tensors_without_revision"] == 0
+    assert patched["tensors_with_revision"] > 0
 
-    ckpt = write_hybrid_fp8_checkpoint(tmp_path / "ckpt", fp8_scales="block").path
-    site = build_vllm_tree(tmp_path / "patched", PATCH)
-    out = run_driver(site, tmp_path / "bad.json", f"{ckpt}:headers")[str(ckpt)]
+
+def test_bad_fp8_checkpoints_fail_with_the_layer_named(results: dict[str, dict[str, Any]]) -> None:
+    out = results["patched-headers"]
     assert out["as_written"] == 6  # the good checkpoint: 6 FP8 modules found from headers alone
     assert "down_proj has an F8_E4M3 weight but neither weight_scale_inv" in out["no_scale"]
     assert "weight_scale_inv has shape [1, 1]" in out["wrong_block"]
@@ -237,10 +265,13 @@ def test_bad_fp8_checkpoints_fail_with_the_layer_named(tmp_path: Path) -> None:
 
 
 def _engine_config(ckpt: str) -> Any:
+    """`ckpt` is a local directory, or `REPO@REVISION` for a Hub repo (here: the offline HF cache)."""
     from vllm.engine.arg_utils import EngineArgs
 
+    model, _, revision = ckpt.partition("@")
     args = EngineArgs(
-        model=ckpt,
+        model=model,
+        revision=revision or None,
         skip_tokenizer_init=True,
         enforce_eager=True,
         dtype="bfloat16",
@@ -428,7 +459,7 @@ def _driver(out: str, jobs: list[str]) -> None:
     for job in jobs:
         ckpt, _, mode = job.rpartition(":")
         if mode == "headers":
-            results[ckpt] = _header_errors(ckpt)
+            results[job] = _header_errors(ckpt)
             continue
         vllm_config = _engine_config(ckpt)
         if not distributed_ready:
@@ -444,14 +475,24 @@ def _driver(out: str, jobs: list[str]) -> None:
                 initialize_model_parallel(1, 1)
             distributed_ready = True
         model, decisions = _build_model(vllm_config, mode)
-        with set_current_vllm_config(vllm_config):
-            loaded = _load_and_run_shared_experts(model, ckpt)
-        results[ckpt] = {
+        results[job] = {
             "quant_config": type(vllm_config.quant_config).__name__,
             "fp8_layers": sorted(getattr(vllm_config.quant_config, "fp8_layers", {})),
             "decisions": decisions,
-            "loaded": loaded,
         }
+        repo, _, revision = ckpt.partition("@")
+        if revision:
+            # What the headers give without the revision (as stock config/vllm.py asks): the cache was
+            # filled at a pinned commit and has no refs/main.
+            from vllm.transformers_utils.config import get_safetensors_params_metadata
+
+            results[job]["tensors_without_revision"] = len(get_safetensors_params_metadata(repo))
+            results[job]["tensors_with_revision"] = len(
+                get_safetensors_params_metadata(repo, revision=revision)
+            )
+        else:
+            with set_current_vllm_config(vllm_config):
+                results[job]["loaded"] = _load_and_run_shared_experts(model, ckpt)
     Path(out).write_text(json.dumps(results, indent=1, sort_keys=True))
 
 
