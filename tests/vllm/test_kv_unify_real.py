@@ -185,7 +185,7 @@ class RealVLLM:
 
         self.workdir = workdir
         self.stock = SimpleNamespace(interface=stock_interface, kv_cache_utils=stock_kv_cache_utils)
-        register_models_in_process(("Qwen3_5MoeForConditionalGeneration", "DFlashDraftModel"))
+        register_models_in_process(("Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "DFlashDraftModel"))
         self.patched = load_patched_vllm(workdir / "patched")
         self._config_dirs: dict[str, Path] = {}
 
@@ -553,6 +553,12 @@ def grid_cases() -> list[Case]:
     for revision in DRAFTERS:
         for n in (2, 15):
             cases.append(Case("target 24L, 4x128", small, DRAFTERS_JSON[revision], f"dflash {revision}", n))
+    # a Qwen3-Next target (flat config, no SSM dtype hook: the SSM state follows the model dtype)
+    qwen3_next = dict(copy.deepcopy(target["text_config"]), architectures=["Qwen3NextForCausalLM"])
+    qwen3_next["model_type"] = "qwen3_next"
+    del qwen3_next["mamba_ssm_dtype"]
+    for revision in DRAFTERS:
+        cases.append(Case("Qwen3-Next target", qwen3_next, DRAFTERS_JSON[revision], f"dflash {revision}", 8))
     # user --block-size (kept by the alignment when larger than its own choice)
     for revision in DRAFTERS:
         cases.append(
