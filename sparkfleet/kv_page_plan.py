@@ -32,7 +32,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -427,13 +427,56 @@ def plan(
 ) -> KVPlan:
     """Predict vLLM 0.23's KV page unification for a target + drafter, stock or patched.
 
-    ``num_speculative_tokens`` 0 (or no drafter config) plans the target alone. ``block_size`` is a
-    user --block-size (None: the platform's default). ``attention_backend`` defaults to FLASH_ATTN on
-    CUDA and CPU_ATTN on CPU. With prefix caching the modelled architectures run mamba cache mode
-    "align" (none of them supports "all"), whose alignment is the one without prefix caching, so
-    ``enable_prefix_caching`` changes no figure. Raises KVPlanInputError for configs or options it
-    cannot read.
+    ``num_speculative_tokens`` 0 (or no drafter config) plans the target alone; with no drafter config
+    and n > 0 it plans drafter-less speculation (ngram). ``drafter_label`` names the drafter in
+    ``reason`` (e.g. its revision). The other options are vLLM's serve flags; ``attention_backend``
+    defaults to FLASH_ATTN on CUDA and CPU_ATTN on CPU, ``block_size`` None to the platform's default.
+    A stock plan that fails says in its reason whether the patched build unifies the case.
+    Raises KVPlanInputError for configs or options it cannot read.
     """
+    options = {
+        "drafter_label": drafter_label,
+        "kv_cache_dtype": kv_cache_dtype,
+        "mamba_cache_dtype": mamba_cache_dtype,
+        "mamba_ssm_cache_dtype": mamba_ssm_cache_dtype,
+        "dtype": dtype,
+        "tensor_parallel_size": tensor_parallel_size,
+        "attention_backend": attention_backend,
+        "platform": platform,
+        "block_size": block_size,
+        "enable_prefix_caching": enable_prefix_caching,
+    }
+    result = _plan(target_config, drafter_config, num_speculative_tokens, patched, **options)
+    if not result.ok and not patched:
+        fixed = _plan(target_config, drafter_config, num_speculative_tokens, True, **options)
+        if fixed.ok:
+            hint = f"patch 0001 (sparkfleet's wheel) unifies it: attention block {fixed.attention_block_size}"
+            if fixed.drafter_block_size is not None:
+                hint += f", drafter block {fixed.drafter_block_size}"
+            result = replace(result, reason=f"{result.reason}; {hint}")
+    return result
+
+
+def _plan(
+    target_config: dict[str, Any],
+    drafter_config: dict[str, Any] | None,
+    num_speculative_tokens: int,
+    patched: bool,
+    *,
+    drafter_label: str | None = None,
+    kv_cache_dtype: str = "auto",
+    mamba_cache_dtype: str = "auto",
+    mamba_ssm_cache_dtype: str = "auto",
+    dtype: str = "auto",
+    tensor_parallel_size: int = 1,
+    attention_backend: str | None = None,
+    platform: str = "cuda",
+    block_size: int | None = None,
+    enable_prefix_caching: bool = False,
+) -> KVPlan:
+    """plan() for one build. With prefix caching the modelled architectures run mamba cache mode
+    "align" (none of them supports "all"), whose alignment is the one without prefix caching, so
+    ``enable_prefix_caching`` changes no figure."""
     del enable_prefix_caching  # same alignment in mamba cache modes "none" and "align"
     if platform not in PLATFORMS:
         raise KVPlanInputError(f"platform {platform!r} is not modelled; use one of {', '.join(PLATFORMS)}")

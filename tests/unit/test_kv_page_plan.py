@@ -78,6 +78,11 @@ def test_new_drafter_fails_stock_and_unifies_patched(target: dict, new_drafter: 
     # the drafter's page (8 KV heads x 128 x bf16 K+V = 4096 B/token) fills the common page exactly
     assert patched.drafter_block_size * 4096 == patched.page_size_bytes
     assert patched.attention_block_size * 2048 == patched.page_size_bytes
+    # the stock verdict points at the fix, with the patched figures
+    assert stock.reason.endswith(
+        f"patch 0001 (sparkfleet's wheel) unifies it: attention block {patched.attention_block_size}, "
+        f"drafter block {patched.drafter_block_size}"
+    )
 
 
 def test_target_alone(target: dict) -> None:
