@@ -120,26 +120,30 @@ def comparison_lines(result: dict[str, Any]) -> list[str]:
 def decode_section(report: ReportWriter, result: dict[str, Any], key: str) -> None:
     workloads = result["details"].get("workloads", [])
     report.add(
-        "| workload | requests | median tok/s | acceptance length | acceptance rate | TTFT median s "
-        "| TPOT client vs server | window clean |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | requests | median tok/s | server-side tok/s | acceptance length | acceptance rate "
+        "| TTFT median s | TPOT client vs server | window clean |",
+        "|---|---|---|---|---|---|---|---|---|",
     )
     for workload in workloads:
         spec = workload.get("spec_decode") or {}
         agreement = workload.get("tpot_agreement") or {}
         report.add(
             f"| {workload['name']} | {workload['requests']} | {fmt(workload['decode_tok_s_median'])} | "
+            f"{fmt(workload.get('server_decode_tok_s_median'))} | "
             f"{fmt(spec.get('acceptance_length'))} | {fmt(spec.get('acceptance_rate'))} | "
             f"{fmt(workload.get('ttft_s_median'))} | {pct(agreement.get('relative_difference'))} | "
             f"{fmt(agreement.get('window_clean'))} |"
         )
     overall = result["details"].get("tpot_agreement") or {}
+    per_request = result["details"].get("tpot_agreement_per_request") or {}
     report.add(
         "",
         f"All requests: median {fmt(result['figures'].get('decode_tok_s_median'))} tok/s; client TPOT "
         f"{fmt(overall.get('client_tpot_s'))} s vs server {fmt(overall.get('server_tpot_s'))} s "
         f"({pct(overall.get('relative_difference'))}, server figure from "
-        "vllm:request_decode_time_seconds and vllm:generation_tokens_total over the same window).",
+        "vllm:request_decode_time_seconds and vllm:generation_tokens_total over the same window). "
+        f"Per request: median difference {pct(per_request.get('median_relative_difference'))}, "
+        f"{fmt(per_request.get('within_tolerance_share'))} of requests within 5%.",
         "",
     )
     if workloads:

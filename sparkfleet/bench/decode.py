@@ -3,12 +3,13 @@
 Standard library only. Sequential (concurrency 1) streaming chat completions at temperature 0,
 ``stream_options.include_usage`` on. Per request:
 
-- decode window = arrival of the last chunk carrying a choice - arrival of the first one (the
-  first chunk vLLM sends carries the role and is emitted with the first generated token), so
-  TTFT/prefill is excluded;
-- decode tok/s = (completion_tokens - 1) / decode window, completion_tokens from the server's
-  usage (the first token belongs to prefill, as in vLLM's own TPOT);
-- client TPOT = decode window / (completion_tokens - 1).
+- decode window = arrival of the last chunk carrying a choice - arrival of the first chunk
+  carrying generated tokens, so TTFT/prefill is excluded;
+- tokens in the window = completion_tokens (the server's usage) - tokens already generated when
+  the window opened, read from ``stream_options.continuous_usage_stats`` (normally 1: the
+  prefill token; more when vLLM's API server merged engine steps into its first chunk, which
+  happens on a busy host and would otherwise shorten the window without removing its tokens);
+- decode tok/s = tokens in the window / decode window; client TPOT = its inverse.
 
 Per workload: median decode tok/s over its requests, and from ``/metrics`` scraped just before
 and just after the workload: mean acceptance length (1 + accepted / drafts), acceptance rate and
@@ -58,16 +59,17 @@ def tpot_agreement(
     """Compare the client's TPOT with the server's histograms for the same requests.
 
     Primary figure: token-weighted TPOT on both sides (client: summed decode windows over summed
-    tokens-after-first; server: ``vllm:request_decode_time_seconds_sum`` delta over
+    tokens delivered inside them; server: ``vllm:request_decode_time_seconds_sum`` delta over
     ``vllm:generation_tokens_total`` delta minus finished requests). Secondary: the mean over
     requests of per-request TPOT, the client's against ``vllm:request_time_per_output_token_seconds``.
     ``window_clean`` is False when other traffic reached the server during the window (the
     server's finished requests or generated tokens differ from the client's).
     """
-    decode_total = sum(c.decode_s or 0.0 for c in completions if c.completion_tokens >= 2)
-    tokens_after_first = sum(c.completion_tokens - 1 for c in completions if c.completion_tokens >= 2)
-    client_tpot = decode_total / tokens_after_first if tokens_after_first > 0 else None
-    per_request = [c.tpot_s for c in completions if c.tpot_s is not None]
+    measured = [c for c in completions if c.tpot_s is not None]
+    decode_total = sum(c.decode_s or 0.0 for c in measured)
+    tokens_in_windows = sum(c.tokens_in_window for c in measured)
+    client_tpot = decode_total / tokens_in_windows if tokens_in_windows > 0 else None
+    per_request = [c.tpot_s for c in measured if c.tpot_s is not None]
     single_token = sum(1 for c in completions if c.completion_tokens < 2)
     # the server counts requests with one token as TPOT 0; include them the same way
     per_request_all = per_request + [0.0] * single_token
@@ -103,13 +105,21 @@ def run_workload(
 ) -> dict[str, Any]:
     """Run one workload sequentially after the scrape ``before``; return figures and details.
 
-    The result's ``_after`` is the settled scrape that closes the window (the next one's start).
+    /metrics is scraped after every request too (outside the timed windows), so each request
+    has the server's own decode time beside the client's: per-request TPOT agreement, and a
+    server-side decode tok/s. The result's ``_after`` is the settled scrape that closes the
+    workload's window (the next one's start).
     """
     completions: list[StreamedCompletion] = []
     ids: list[str] = []
+    per_request_server: list[prom.ServerTpotWindow | None] = []
+    previous = before
     for repeat in range(repeats):
         for request in workload.requests:
             completion = server.stream_chat(model, request.messages, request.max_tokens, extra=extra)
+            scrape = prom.fetch_settled_metrics(server.base_url, previous, 1, completion.completion_tokens)
+            per_request_server.append(prom.server_tpot_window(previous, scrape))
+            previous = scrape
             completions.append(completion)
             ids.append(request.request_id if repeats == 1 else f"{request.request_id}#{repeat + 1}")
             if progress:
@@ -120,13 +130,15 @@ def run_workload(
                     file=sys.stderr,
                     flush=True,
                 )
-    after = prom.fetch_settled_metrics(
-        server.base_url, before, len(completions), sum(c.completion_tokens for c in completions)
-    )
+    after = previous
     spec = prom.spec_decode_window(before, after)
     server_tpot = prom.server_tpot_window(before, after)
     agreement = tpot_agreement(completions, server_tpot)
+    per_request_agreement = [
+        tpot_agreement([c], window) for c, window in zip(completions, per_request_server, strict=True)
+    ]
     rates = [c.decode_tok_s for c in completions if c.decode_tok_s is not None]
+    server_rates = [1.0 / a.server_tpot_s for a in per_request_agreement if a.server_tpot_s]
     ttfts = [c.ttft_s for c in completions if c.ttft_s is not None]
     return {
         "name": workload.name,
@@ -135,6 +147,7 @@ def run_workload(
         "completion_tokens": sum(c.completion_tokens for c in completions),
         "decode_tok_s_median": statistics.median(rates) if rates else None,
         "decode_tok_s_mean": statistics.fmean(rates) if rates else None,
+        "server_decode_tok_s_median": statistics.median(server_rates) if server_rates else None,
         "ttft_s_median": statistics.median(ttfts) if ttfts else None,
         "spec_decode": spec.as_dict() if spec else None,
         "server_tpot": server_tpot.as_dict() if server_tpot else None,
@@ -146,14 +159,41 @@ def run_workload(
                 "prompt_tokens": c.prompt_tokens,
                 "ttft_s": c.ttft_s,
                 "decode_s": c.decode_s,
+                "tokens_in_window": c.tokens_in_window,
                 "decode_tok_s": c.decode_tok_s,
+                "server_tpot_s": a.server_tpot_s,
+                "tpot_relative_difference": a.relative_difference,
+                "window_clean": a.window_clean,
                 "finish_reason": c.finish_reason,
             }
-            for rid, c in zip(ids, completions, strict=True)
+            for rid, c, a in zip(ids, completions, per_request_agreement, strict=True)
         ],
         "_rates": rates,
         "_completions": completions,
         "_after": after,
+    }
+
+
+def summarize_request_agreement(per_request: list[dict[str, Any]], tolerance: float = 0.05) -> dict[str, Any]:
+    """Per-request client/server TPOT differences: median and the share within ``tolerance``.
+
+    Robust to the odd request whose chunks a stalled host delivered in one burst (the client
+    then sees a collapsed window); such requests are counted, not hidden.
+    """
+    diffs = [r["tpot_relative_difference"] for r in per_request if r["tpot_relative_difference"] is not None]
+    if not diffs:
+        return {"requests": 0, "median_relative_difference": None, "within_tolerance_share": None}
+    within = sum(1 for d in diffs if abs(d) <= tolerance)
+    return {
+        "requests": len(diffs),
+        "median_relative_difference": statistics.median(diffs),
+        "tolerance": tolerance,
+        "within_tolerance_share": within / len(diffs),
+        "outside_tolerance": [
+            {"id": r["id"], "relative_difference": r["tpot_relative_difference"]}
+            for r in per_request
+            if r["tpot_relative_difference"] is not None and abs(r["tpot_relative_difference"]) > tolerance
+        ],
     }
 
 
@@ -196,6 +236,7 @@ def run_decode_bench(
                 server_windows.append(_window_from_dict(outcome["server_tpot"]))
             name = workload.name
             figures[f"decode_tok_s_median[{name}]"] = outcome["decode_tok_s_median"]
+            figures[f"server_decode_tok_s_median[{name}]"] = outcome["server_decode_tok_s_median"]
             figures[f"ttft_s_median[{name}]"] = outcome["ttft_s_median"]
             spec = outcome["spec_decode"]
             if spec is not None:
@@ -215,7 +256,13 @@ def run_decode_bench(
     figures["decode_tok_s_median"] = statistics.median(all_rates) if all_rates else None
     overall = tpot_agreement(all_completions, _sum_windows(server_windows))
     details["tpot_agreement"] = overall.as_dict()
+    per_request = [r for w in details["workloads"] for r in w["per_request"]]
+    details["tpot_agreement_per_request"] = summarize_request_agreement(per_request)
     figures["tpot_relative_difference"] = overall.relative_difference
+    figures["tpot_relative_difference_median"] = details["tpot_agreement_per_request"][
+        "median_relative_difference"
+    ]
+    figures["tpot_within_5pct_share"] = details["tpot_agreement_per_request"]["within_tolerance_share"]
     figures["client_cpu_share"] = cpu.share
     return figures, details, cpu.as_dict()
 

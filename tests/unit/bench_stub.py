@@ -29,8 +29,10 @@ class StubState:
         draft_len: int,
         first_run_extra_s: float,
         record_delay_s: float,
+        merge_first: int,
     ) -> None:
         self.lock = threading.Lock()
+        self.merge_first = merge_first
         self.token_gap_s = token_gap_s
         self.prefill_s = prefill_s
         self.accepted_per_step = accepted_per_step
@@ -158,7 +160,7 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
             tokens = max_tokens
             time.sleep(state.prefill_s + (state.first_run_extra_s if first_time else 0.0))
             if body.get("stream"):
-                self._stream(tokens)
+                self._stream(tokens, bool((body.get("stream_options") or {}).get("continuous_usage_stats")))
             else:
                 first = time.perf_counter()
                 time.sleep(state.token_gap_s * (tokens - 1))
@@ -175,34 +177,39 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
             self.wfile.flush()
 
-        def _stream(self, tokens: int) -> None:
+        def _stream(self, tokens: int, continuous: bool) -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
-            times = []
-            self._chunk(
-                json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-            )
-            times.append(time.perf_counter())
-            for index in range(tokens):
-                if index:
-                    time.sleep(state.token_gap_s)
-                finish = "length" if index == tokens - 1 else None
-                self._chunk(
-                    json.dumps(
-                        {"choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": finish}]}
-                    )
-                )
-                times.append(time.perf_counter())
-            self._chunk(
-                json.dumps({"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": tokens}})
-            )
+
+            def send(content: str | None, generated: int, finish: str | None = None) -> None:
+                delta = {"role": "assistant", "content": ""} if content is None else {"content": content}
+                event: dict[str, Any] = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+                if continuous:
+                    event["usage"] = {"prompt_tokens": 5, "completion_tokens": generated}
+                self._chunk(json.dumps(event))
+
+            # token 1 is ready now (vLLM's first_token_ts); like a lagging API server, the stub
+            # may hold it back and send the first merge_first tokens together in one chunk
+            token_times = [time.perf_counter()]
+            merged = min(state.merge_first, tokens)
+            for _ in range(merged - 1):
+                time.sleep(state.token_gap_s)
+                token_times.append(time.perf_counter())
+            send(None, 0)
+            send("t" * merged, merged, "length" if merged == tokens else None)
+            for index in range(merged, tokens):
+                time.sleep(state.token_gap_s)
+                token_times.append(time.perf_counter())
+                send("t", index + 1, "length" if index == tokens - 1 else None)
+            usage = {"prompt_tokens": 5, "completion_tokens": tokens}
+            self._chunk(json.dumps({"choices": [], "usage": usage}))
             self._chunk("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
             self.wfile.flush()
-            gaps = [b - a for a, b in zip(times[1:], times[2:], strict=False)]
-            self._record_later(tokens, times[0], times[-1], gaps)
+            gaps = [b - a for a, b in zip(token_times, token_times[1:], strict=False)]
+            self._record_later(tokens, token_times[0], token_times[-1], gaps)
 
         def _record_later(self, tokens: int, first: float, last: float, gaps: list[float]) -> None:
             timer = threading.Timer(state.record_delay_s, state.record, args=(tokens, first, last, gaps))
@@ -223,9 +230,16 @@ class StubServer:
         draft_len: int = 3,
         first_run_extra_s: float = 0.0,
         record_delay_s: float = 0.05,
+        merge_first: int = 1,
     ) -> None:
         self.state = StubState(
-            token_gap_s, prefill_s, accepted_per_step, draft_len, first_run_extra_s, record_delay_s
+            token_gap_s,
+            prefill_s,
+            accepted_per_step,
+            draft_len,
+            first_run_extra_s,
+            record_delay_s,
+            merge_first,
         )
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(self.state))
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

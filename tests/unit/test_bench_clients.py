@@ -9,7 +9,7 @@ import pytest
 
 from sparkfleet.bench import main as bench_main
 from sparkfleet.bench import results as res
-from sparkfleet.bench.decode import run_decode_bench, tpot_agreement
+from sparkfleet.bench.decode import run_decode_bench, summarize_request_agreement, tpot_agreement
 from sparkfleet.bench.e2e import run_e2e_bench
 from sparkfleet.bench.http_client import OpenAIServer, StreamedCompletion
 from sparkfleet.bench.metrics import ServerTpotWindow
@@ -27,44 +27,52 @@ def one_request_workload(name: str, tokens: int, count: int = 2) -> Workload:
     return Workload(name=name, description="test", requests=requests)
 
 
-def test_streamed_completion_arithmetic() -> None:
-    completion = StreamedCompletion(
-        request_start=10.0,
-        first_token=10.5,
-        last_token=12.5,
-        completion_tokens=101,
-        prompt_tokens=7,
+def completion(first: float, last: float, tokens: int, at_start: int = 1) -> StreamedCompletion:
+    return StreamedCompletion(
+        request_start=0.0,
+        first_chunk=first,
+        window_start=first,
+        tokens_at_window_start=at_start,
+        last_token=last,
+        completion_tokens=tokens,
+        prompt_tokens=5,
         finish_reason="length",
     )
-    assert completion.ttft_s == pytest.approx(0.5)
-    assert completion.decode_s == pytest.approx(2.0)
-    assert completion.decode_tok_s == pytest.approx(50.0)  # 100 tokens after the first in 2 s
-    assert completion.tpot_s == pytest.approx(0.02)
-    single = StreamedCompletion(10.0, 10.5, 10.5, 1, 7, "stop")
+
+
+def test_streamed_completion_arithmetic() -> None:
+    plain = completion(0.5, 2.5, 101)
+    assert plain.ttft_s == pytest.approx(0.5)
+    assert plain.decode_s == pytest.approx(2.0)
+    assert plain.decode_tok_s == pytest.approx(50.0)  # 100 tokens after the first in 2 s
+    assert plain.tpot_s == pytest.approx(0.02)
+    merged = completion(0.5, 2.5, 101, at_start=5)  # first content chunk carried 5 tokens
+    assert merged.tokens_in_window == 96 and merged.decode_tok_s == pytest.approx(48.0)
+    single = completion(0.5, 0.5, 1)
     assert single.decode_tok_s is None and single.tpot_s is None
 
 
 def test_tpot_agreement_exact_arithmetic() -> None:
     completions = [
-        StreamedCompletion(0.0, 1.0, 2.0, 11, 5, "length"),  # 10 tokens after first in 1.0 s
-        StreamedCompletion(0.0, 1.0, 4.0, 31, 5, "length"),  # 30 tokens in 3.0 s
+        completion(1.0, 2.0, 11),  # 10 tokens after the first in 1.0 s
+        completion(1.0, 4.0, 33, at_start=3),  # 30 tokens in 3.0 s after a merged first chunk
     ]
     server = ServerTpotWindow(
         requests=2,
         request_tpot_mean_s=0.105,
         request_tpot_median_s=None,
         inter_token_mean_s=None,
-        decode_time_s=4.2,
-        generation_tokens=42,
+        decode_time_s=4.41,
+        generation_tokens=44,
     )
     agreement = tpot_agreement(completions, server)
     assert agreement.client_tpot_s == pytest.approx(4.0 / 40)
-    assert agreement.server_tpot_s == pytest.approx(4.2 / 40)
+    assert agreement.server_tpot_s == pytest.approx(4.41 / 42)
     assert agreement.relative_difference == pytest.approx((0.1 - 0.105) / 0.105)
     assert agreement.client_request_tpot_mean_s == pytest.approx(0.1)
     assert agreement.request_mean_relative_difference == pytest.approx((0.1 - 0.105) / 0.105)
     assert agreement.window_clean
-    foreign = ServerTpotWindow(3, 0.07, None, None, 4.2, 43)
+    foreign = ServerTpotWindow(3, 0.07, None, None, 4.41, 45)
     assert not tpot_agreement(completions, foreign).window_clean
     assert tpot_agreement(completions, None).relative_difference is None
 
@@ -83,15 +91,47 @@ def test_decode_excludes_prefill_and_reads_acceptance() -> None:
     assert w1["spec_decode"]["per_position_acceptance"] == pytest.approx([1.0, 1.0, 1.0, 0.0])
     assert w1["tpot_agreement"]["window_clean"]  # the warm-up request stayed outside the window
     assert w1["tpot_agreement"]["requests_server"] == 2
+    # every request has its own /metrics window: the server's TPOT for exactly that request
+    assert all(r["window_clean"] and r["server_tpot_s"] > 0 for r in w1["per_request"])
+    assert figures["server_decode_tok_s_median[w1]"] == pytest.approx(1 / GAP_S, rel=0.35)
+    assert details["tpot_agreement_per_request"]["requests"] == 4
+    assert abs(figures["tpot_relative_difference_median"]) < 0.25
     assert all(r["ttft_s"] >= 0.15 for r in w1["per_request"])
     assert abs(figures["tpot_relative_difference"]) < 0.25  # loopback stub: same intervals both sides
     assert 0.0 <= figures["client_cpu_share"] == cpu["share"]
     assert cpu["wall_s"] > 0
     # every request was streamed at temperature 0 with usage requested
     assert all(
-        b["stream"] and b["temperature"] == 0.0 and b["stream_options"] == {"include_usage": True}
+        b["stream"] and b["temperature"] == 0.0 and b["stream_options"]["include_usage"]
         for b in stub.state.bodies
     )
+
+
+def test_first_chunk_carrying_several_tokens_does_not_bias_tpot() -> None:
+    # a busy vLLM API server merges engine steps: its first content chunk can carry 2-4 tokens
+    with StubServer(token_gap_s=0.005, prefill_s=0.01, merge_first=4) as stub:
+        _, details, _ = run_decode_bench(
+            OpenAIServer(stub.base_url), "stub", [one_request_workload("w", 21, count=3)], progress=False
+        )
+    workload = details["workloads"][0]
+    agreement = workload["tpot_agreement"]
+    assert agreement["window_clean"]
+    assert abs(agreement["relative_difference"]) < 0.1
+    # counting all 20 tokens after the first inside the shortened window would read ~15% fast
+    naive_tpot = sum(r["decode_s"] for r in workload["per_request"]) / (20 * 3)
+    assert (naive_tpot - agreement["server_tpot_s"]) / agreement["server_tpot_s"] < -0.1
+    assert all(b["stream_options"]["continuous_usage_stats"] for b in stub.state.bodies)
+
+
+def test_per_request_agreement_summary_counts_outliers() -> None:
+    rows = [{"id": f"r{i}", "tpot_relative_difference": d} for i, d in enumerate([0.01, -0.02, 0.0, -0.99])]
+    rows.append({"id": "single-token", "tpot_relative_difference": None})
+    summary = summarize_request_agreement(rows)
+    assert summary["requests"] == 4
+    assert summary["median_relative_difference"] == pytest.approx(-0.01)
+    assert summary["within_tolerance_share"] == 0.75
+    assert summary["outside_tolerance"] == [{"id": "r3", "relative_difference": -0.99}]
+    assert summarize_request_agreement([])["median_relative_difference"] is None
 
 
 def test_decode_flags_foreign_traffic_in_the_window() -> None:
