@@ -1171,7 +1171,7 @@ def start_host(host: Host, fleet: Sequence[Host]) -> None:
     host.supervisor_pid_file.write_text(f"{supervisor.pid}\n")
 
 
-def stop_hosts(hosts: Sequence[Host], timeout: float = 20.0) -> list[str]:
+def stop_hosts(hosts: Sequence[Host], timeout: float = 30.0) -> list[str]:
     """Stop hosts and remove their mounts, netns and veths; return what was done, per host."""
     actions: dict[str, list[str]] = {host.name: [] for host in hosts}
     supervisors: dict[str, int] = {}
@@ -1363,12 +1363,12 @@ def any_nspawn_running() -> bool:
     return False
 
 
-def fleet_down(purge: bool = False) -> None:
+def fleet_down(purge: bool = False, timeout: float = 30.0) -> None:
     """Stop every host and remove every mount, namespace, veth, the bridge and the supervisors."""
     require_root_and_tools("ip", "mount")
     started = time.monotonic()
     hosts = [Host(index) for index in sorted(known_host_indexes())]
-    done = stop_hosts(hosts)
+    done = stop_hosts(hosts, timeout)
     for line in done:
         log(f"down: {line}")
     stray = fleet_processes()
@@ -1501,6 +1501,9 @@ def parse_arguments(argv: Sequence[str]) -> Arguments:
     up.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for the hosts (default 90)")
     down = commands.add_parser("down", help="stop every host, remove mounts, namespaces, links, processes")
     down.add_argument("--purge", action="store_true", help="also delete host state (fresh hosts next time)")
+    down.add_argument(
+        "--timeout", type=float, default=30.0, help="seconds for a clean poweroff before killing (default 30)"
+    )
     commands.add_parser("status", help="one line per host: running?, address, ssh, memory, disk")
     exec_parser = commands.add_parser("exec", help="run a command in a host over ssh: exec NAME -- CMD...")
     exec_parser.add_argument("name", help="host name, e.g. spark-01")
@@ -1536,7 +1539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             elif arguments.command == "up":
                 fleet_up(arguments.hosts, timeout=arguments.timeout)
             elif arguments.command == "down":
-                fleet_down(purge=arguments.purge)
+                fleet_down(purge=arguments.purge, timeout=arguments.timeout)
     except FleetError as error:
         print(f"fleet.py {arguments.command}: error: {error}", file=sys.stderr, flush=True)
         return 1
