@@ -801,6 +801,17 @@ def process_rss_bytes(pid: int) -> int:
     return 0
 
 
+def process_pss_bytes(pid: int) -> int:
+    """Proportional set size of pid in bytes (shared pages split among their users; 0 when gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
 def disk_usage(path: Path) -> int:
     """Bytes allocated under path (like du), not following symlinks, staying on one filesystem."""
     total = 0
@@ -1438,7 +1449,7 @@ def fleet_status() -> int:
     for host in hosts:
         running = host_is_running(host)
         ssh_state = "-"
-        rss = 0
+        rss = pss = 0
         if running:
             answered = ssh_run(host, "true", timeout=10, connect_timeout=2).returncode == 0
             ssh_state = "ok" if answered else "FAILED"
@@ -1447,13 +1458,14 @@ def fleet_status() -> int:
                 pid for pid in (supervisor_pid(host), nspawn_pid(host)) if pid is not None
             ]
             rss = sum(process_rss_bytes(pid) for pid in pids)
+            pss = sum(process_pss_bytes(pid) for pid in pids)
         elif host.name in expected:
             healthy = False
         state = "running" if running else "stopped" if host.name in expected else "stopped (not in inventory)"
         upper = disk_usage(host.upper)
         log(
             f"{host.name}  {state}  {host.address}  ssh {ssh_state}  "
-            f"rss {rss / 2**20:.0f} MiB  upper {upper / 2**20:.1f} MiB"
+            f"rss {rss / 2**20:.0f} MiB (pss {pss / 2**20:.0f} MiB)  upper {upper / 2**20:.1f} MiB"
         )
     return 0 if healthy else 1
 
