@@ -62,6 +62,7 @@ VETH_PREFIX = "sfv-"
 HOST_WHEELHOUSE = "/srv/sparkfleet/wheelhouse"
 HOST_APT_REPO = "/srv/sparkfleet/apt"
 HOST_APT_SOURCE = f"deb [trusted=yes] file:{HOST_APT_REPO} ./\n"
+CONSOLE_LOG_ROTATE_BYTES = 4 * 2**20  # keep one older console log per host
 REBOOT_EXIT_CODE = 133  # systemd-nspawn's exit status when the container asked for a reboot
 # apt lists older than any cache_valid_time, so Ansible's apt module refreshes them on first use
 APT_LISTS_MTIME = 946684800  # 2000-01-01
@@ -1160,6 +1161,8 @@ def start_host(host: Host, fleet: Sequence[Host]) -> None:
     ensure_host_network(host)
     with contextlib.suppress(FileNotFoundError):
         host.stop_flag.unlink()
+    if host.console_log.exists() and host.console_log.stat().st_size > CONSOLE_LOG_ROTATE_BYTES:
+        host.console_log.replace(host.console_log.with_name("console.log.1"))
     console = host.console_log.open("ab")
     supervisor = subprocess.Popen(
         [
