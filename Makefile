@@ -74,7 +74,7 @@ WHEEL_SUFFIX := $(if $(filter gpu,$(FLAVOR)),,.cpu)
 wheel: $(VENV)/.stamp $(WHEELHOUSE)/.stamp ## Build the patched vLLM wheel (FLAVOR=cpu|gpu, default cpu)
 	$(PY) -m sparkfleet wheel build --source $(WHEEL_SOURCE) --find-links $(WHEELHOUSE) --out build/wheels
 	@id=$$($(PY) -m sparkfleet wheel id --platform $(FLAVOR)); \
-	manifest=$$(ls build/wheels/vllm-0.23.0+sf$$id$(WHEEL_SUFFIX)-*.manifest.json); \
+	manifest=$$(ls build/wheels/vllm-0.23.0+$$id$(WHEEL_SUFFIX)-*.manifest.json); \
 	cp "$$manifest" build/wheels/$(FLAVOR)-current.json; \
 	echo "build/wheels/$(FLAVOR)-current.json -> $$(basename $$manifest)"
 
