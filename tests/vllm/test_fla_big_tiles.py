@@ -12,7 +12,13 @@ shared-memory figures are the devices' opt-in per-block limits (what Triton repo
 NVIDIA devices only: on ROCm/XPU hosts vLLM's platform (not only the GPU) decides how fla/ops/utils.py
 probes the device, and the patch's rule starts with `is_nvidia`.
 
-The module doubles as the subprocess driver: `python test_fla_big_tiles.py OUT.json`.
+What the big tiles need is checked too, with no GPU: the chunk_o and cumsum kernels, as the patched files
+define them, are compiled by Triton for sm_121 in every config the autotuner would try on a GB10, and the
+shared memory each needs (what Triton checks against max_shared_mem at launch) is compared with the GB10's
+101376 bytes. The kernels are the modules' own functions (vLLM's Triton placeholder leaves them
+undecorated on a CPU host), re-bound to the real Triton.
+
+The module doubles as the subprocess driver: `python test_fla_big_tiles.py OUT.json [--compile]`.
 """
 
 from __future__ import annotations
@@ -106,7 +112,10 @@ def picks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[
     processes = {}
     for tree, site in trees.items():
         env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO_ROOT}")
+        env["TRITON_CACHE_DIR"] = str(root / f"triton-cache-{tree}")  # compile afresh, write nothing outside
         command = [sys.executable, __file__, str(root / f"{tree}.json")]
+        if tree == "patched":
+            command.append("--compile")
         processes[tree] = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     results = {}
     for tree, process in processes.items():
@@ -137,6 +146,20 @@ def test_the_fake_gpu_is_what_vllm_sees(picks: dict[str, dict[str, dict[str, Any
             assert pick["max_shared_mem"] == [shared]
             assert pick["is_nvidia"] is (backend == "cuda")
             assert pick["is_nvidia_hopper"] is (backend == "cuda" and capability[0] >= 9)
+
+
+def test_every_big_tile_config_fits_a_gb10(picks: dict[str, dict[str, dict[str, Any]]]) -> None:
+    compiled = picks["patched"]["compile"]
+    gb10_shared = DEVICES["gb10"][3]
+    assert compiled["arch"] == 121
+    # Every config the patched modules offer on a GB10: 2 x 2 tile sizes x warps (chunk_o), 2 x 3 (cumsum).
+    assert len(compiled["chunk_fwd_kernel_o"]) == 4 * len(compiled["num_warps"])
+    assert len(compiled["chunk_local_cumsum_vector_kernel"]) == 2 * 3
+    for kernel in ("chunk_fwd_kernel_o", "chunk_local_cumsum_vector_kernel"):
+        for config, shared in compiled[kernel]:
+            assert 0 < shared <= gb10_shared, (kernel, config, shared)
+    # The biggest big tile (BK = BV = 128) is among them.
+    assert any(config["BK"] == config["BV"] == 128 for config, _ in compiled["chunk_fwd_kernel_o"])
 
 
 def test_patch_leaves_check_shared_mem_alone(picks: dict[str, dict[str, dict[str, Any]]]) -> None:
@@ -201,5 +224,89 @@ def _pick_for(device: str) -> dict[str, Any]:
     }
 
 
+def _compile_for_gb10() -> dict[str, Any]:
+    """Shared memory of every chunk_o / cumsum config the modules offer on a GB10, compiled for sm_121."""
+    import types
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    _pick_for("gb10")  # the modules as imported on a GB10
+    chunk_o = sys.modules["vllm.model_executor.layers.fla.ops.chunk_o"]
+    cumsum = sys.modules["vllm.model_executor.layers.fla.ops.cumsum"]
+    capability = DEVICES["gb10"][2]
+    target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+
+    def real_jit(function: Any) -> Any:
+        # The placeholder bound `tl`, `triton` and op.exp (tl.exp without FLA_USE_FAST_OPS) at import and
+        # turned the `tl.constexpr` annotations into None: bind the real ones.
+        bindings = dict(function.__globals__, tl=tl, triton=triton, exp=tl.exp)
+        rebound = types.FunctionType(function.__code__, bindings, function.__name__, function.__defaults__)
+        rebound.__annotations__ = {k: tl.constexpr for k, v in function.__annotations__.items() if v is None}
+        rebound.__module__, rebound.__qualname__ = function.__module__, function.__qualname__
+        return triton.jit(rebound)
+
+    def shared_bytes(
+        kernel: Any, signature: dict[str, str], constants: dict[str, Any], **options: int
+    ) -> int:
+        source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+        return triton.compile(source, target=target, options=options).metadata.shared
+
+    # Qwen3.5-122B's Gated DeltaNet: 16 key heads, 64 value heads, head dims 128; chunk size 64.
+    chunk_signature = {name: "*bf16" for name in ("q", "k", "v", "h", "o")}
+    chunk_signature |= {
+        "g": "*fp32",
+        "cu_seqlens": "*i32",
+        "chunk_indices": "*i32",
+        "scale": "fp32",
+        "T": "i32",
+    }
+    chunk_constants: dict[str, Any] = {"H": 64, "Hg": 16, "K": 128, "V": 128, "BT": chunk_o.FLA_CHUNK_SIZE}
+    chunk_constants |= {"USE_G": True, "IS_VARLEN": True}
+    chunk_signature |= {name: "constexpr" for name in [*chunk_constants, "BK", "BV"]}
+    kernel_o = real_jit(chunk_o.chunk_fwd_kernel_o)
+    # The autotuner's configs (chunk_o.py): BK x BV from BKV_LIST, NUM_WARPS, num_stages 2..4; the most
+    # stages stage the most buffers, so num_stages=4 bounds each (BK, BV, warps).
+    chunk_results = [
+        (
+            {"BK": bk, "BV": bv, "num_warps": warps},
+            shared_bytes(
+                kernel_o,
+                chunk_signature,
+                chunk_constants | {"BK": bk, "BV": bv},
+                num_warps=warps,
+                num_stages=4,
+            ),
+        )
+        for bk in chunk_o.BKV_LIST
+        for bv in chunk_o.BKV_LIST
+        for warps in chunk_o.NUM_WARPS
+    ]
+    cumsum_signature = {"s": "*fp32", "o": "*fp32", "cu_seqlens": "*i32", "chunk_indices": "*i32", "T": "i32"}
+    cumsum_constants: dict[str, Any] = {"B": 1, "H": 64, "S": 128, "BT": chunk_o.FLA_CHUNK_SIZE}
+    cumsum_constants |= {"REVERSE": False, "IS_VARLEN": True, "HEAD_FIRST": False}
+    cumsum_signature |= {name: "constexpr" for name in [*cumsum_constants, "BS"]}
+    kernel_cumsum = real_jit(cumsum.chunk_local_cumsum_vector_kernel)
+    cumsum_results = [
+        (
+            {"BS": bs, "num_warps": warps},
+            shared_bytes(kernel_cumsum, cumsum_signature, cumsum_constants | {"BS": bs}, num_warps=warps),
+        )
+        for bs in cumsum.BS_LIST
+        for warps in (2, 4, 8)  # the autotuner's warps (cumsum.py)
+    ]
+    return {
+        "arch": target.arch,
+        "num_warps": list(chunk_o.NUM_WARPS),
+        "chunk_fwd_kernel_o": chunk_results,
+        "chunk_local_cumsum_vector_kernel": cumsum_results,
+    }
+
+
 if __name__ == "__main__":
-    Path(sys.argv[1]).write_text(json.dumps({device: _pick_for(device) for device in DEVICES}, indent=1))
+    report: dict[str, Any] = {device: _pick_for(device) for device in DEVICES}
+    if "--compile" in sys.argv[2:]:
+        report["compile"] = _compile_for_gb10()
+    Path(sys.argv[1]).write_text(json.dumps(report, indent=1))
