@@ -458,6 +458,8 @@ def _driver(out: str, jobs: list[str]) -> None:
     distributed_ready = False
     for job in jobs:
         ckpt, _, mode = job.rpartition(":")
+        if mode not in ("full", "decide", "headers"):
+            raise SystemExit(f"job {job!r}: mode {mode!r} is not full, decide or headers")
         if mode == "headers":
             results[job] = _header_errors(ckpt)
             continue
@@ -490,7 +492,7 @@ def _driver(out: str, jobs: list[str]) -> None:
             results[job]["tensors_with_revision"] = len(
                 get_safetensors_params_metadata(repo, revision=revision)
             )
-        else:
+        elif mode == "full":
             with set_current_vllm_config(vllm_config):
                 results[job]["loaded"] = _load_and_run_shared_experts(model, ckpt)
     Path(out).write_text(json.dumps(results, indent=1, sort_keys=True))
