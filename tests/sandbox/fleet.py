@@ -1085,33 +1085,79 @@ def provision_host_files(host: Host, fleet: Sequence[Host]) -> None:
 # One host's supervisor (bash: ~4 MiB instead of a Python interpreter per host). It runs nspawn and
 # starts it again when the container asked for a reboot (exit 133), unless `down` is stopping it;
 # SIGTERM is passed on to nspawn, which turns it into an orderly poweroff of the container.
-# Arguments: NAME STATE_DIR NSPAWN_ARGV...
+# nspawn is started inside the host's own cgroups (CGROUPS, colon-separated): with --keep-unit and
+# no systemd on this machine, nspawn makes its "payload" cgroup next to its own, so hosts started
+# from one cgroup would share one tree and their systemds would remove each other's units' cgroups
+# (seen: units failing with 219/CGROUP). Empty cgroups left by a boot are removed before the next.
+# Arguments: NAME STATE_DIR REBOOT_EXIT_CODE CGROUPS NSPAWN_ARGV...
 SUPERVISOR_NAME = "sparkfleet-supervisor"
 SUPERVISOR_SCRIPT = r"""
 set -u
-name=$1 state=$2
-shift 2
+name=$1 state=$2 reboot_code=$3
+IFS=: read -r -a cgroups <<< "$4"
+shift 4
 child=
 on_term() { : > "$state/stopping"; [ -n "$child" ] && kill -TERM "$child" 2>/dev/null; }
 trap on_term TERM INT
+clean_cgroups() {
+    for cgroup in "${cgroups[@]}"; do
+        [ -d "$cgroup" ] && find "$cgroup" -mindepth 1 -depth -type d -exec rmdir {} + 2> /dev/null
+    done
+    return 0
+}
 boot=0
 while :; do
     boot=$((boot + 1))
     echo "supervisor: $name: boot #$boot"
-    "$@" < /dev/null &
+    clean_cgroups
+    (
+        for cgroup in "${cgroups[@]}"; do
+            mkdir -p "$cgroup" && echo "$BASHPID" > "$cgroup/cgroup.procs"
+        done
+        exec "$@"
+    ) < /dev/null &
     child=$!
     echo "$child" > "$state/nspawn.pid"
     wait "$child"; rc=$?
     while kill -0 "$child" 2> /dev/null; do wait "$child"; rc=$?; done
-    if [ "$rc" -eq 133 ] && [ ! -e "$state/stopping" ]; then
-        echo "supervisor: $name: the container rebooted (exit 133), starting it again"
+    if [ "$rc" -eq "$reboot_code" ] && [ ! -e "$state/stopping" ]; then
+        echo "supervisor: $name: the container rebooted (exit $rc), starting it again"
         continue
     fi
     echo "supervisor: $name: the container exited (rc=$rc), supervisor exits"
+    clean_cgroups
     rm -f "$state/nspawn.pid"
     exit 0
 done
 """
+CGROUP_GROUP = "sparkfleet"  # hosts' cgroups: <hierarchy>/sparkfleet/spark-NN
+
+
+def systemd_cgroup_hierarchies() -> list[Path]:
+    """Mount points of the hierarchies systemd tracks units in: cgroup2 and v1 ``name=systemd``."""
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        separator = fields.index("-")
+        filesystem, super_options = fields[separator + 1], fields[separator + 3].split(",")
+        if filesystem == "cgroup2" or (filesystem == "cgroup" and "name=systemd" in super_options):
+            points.append(Path(fields[4]))
+    return points
+
+
+def host_cgroups(host: Host) -> list[Path]:
+    """The cgroups host's nspawn runs in, one per systemd hierarchy."""
+    return [point / CGROUP_GROUP / host.name for point in systemd_cgroup_hierarchies()]
+
+
+def remove_cgroup_tree(cgroup: Path) -> bool:
+    """rmdir a cgroup and its children, deepest first (they must hold no process); True if removed."""
+    if not cgroup.is_dir():
+        return False
+    for directory, _subdirectories, _files in sorted(os.walk(cgroup), key=lambda entry: -len(entry[0])):
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+    return not cgroup.exists()
 
 
 def nspawn_argv(host: Host) -> list[str]:
@@ -1172,6 +1218,8 @@ def start_host(host: Host, fleet: Sequence[Host]) -> None:
             SUPERVISOR_NAME,
             host.name,
             str(host.state_dir),
+            str(REBOOT_EXIT_CODE),
+            ":".join(str(cgroup) for cgroup in host_cgroups(host)),
             *nspawn_argv(host),
         ],
         cwd=REPO_ROOT,
@@ -1219,6 +1267,8 @@ def stop_hosts(hosts: Sequence[Host], timeout: float = 30.0) -> list[str]:
             actions[host.name].append("unmounted")
         if remove_host_network(host):
             actions[host.name].append("network removed")
+        if any([remove_cgroup_tree(cgroup) for cgroup in host_cgroups(host)]):
+            actions[host.name].append("cgroups removed")
         for pid_file in (host.supervisor_pid_file, host.nspawn_pid_file, host.stop_flag):
             with contextlib.suppress(FileNotFoundError):
                 pid_file.unlink()
@@ -1356,6 +1406,10 @@ def remove_nspawn_runtime_leftovers() -> bool:
             propagate.rmdir()
             removed = True
     if not any_nspawn_running():
+        # nspawn started from the root cgroup (as the first fleet.py did) leaves these behind
+        for hierarchy in systemd_cgroup_hierarchies():
+            for cgroup_name in ("payload", "supervisor"):
+                removed |= remove_cgroup_tree(hierarchy / cgroup_name)
         for lock_path in NSPAWN_RUNTIME_DIR.glob("locks/inode-*"):
             with contextlib.suppress(FileNotFoundError):
                 lock_path.unlink()
@@ -1406,6 +1460,10 @@ def fleet_down(purge: bool = False, timeout: float = 30.0) -> None:
             done.append(f"deleted netns {netns}")
     if remove_nspawn_runtime_leftovers():
         done.append("nspawn runtime files removed")
+    for hierarchy in systemd_cgroup_hierarchies():
+        with contextlib.suppress(OSError):
+            (hierarchy / CGROUP_GROUP).rmdir()
+            done.append(f"{hierarchy / CGROUP_GROUP} removed")
     netns_dir = Path("/run/netns")
     if netns_dir.is_dir() and not any(netns_dir.iterdir()):
         # `ip netns add` made /run/netns a mount point of its own; with no namespace left, undo it

@@ -271,6 +271,11 @@ def leftovers() -> dict[str, list[str]]:
         "links": [name for name in links if name == fleet.BRIDGE or name.startswith(fleet.VETH_PREFIX)],
         "processes": [" ".join(fleet.process_cmdline(pid))[:80] for pid in fleet.fleet_processes()],
         "nspawn runtime": [str(path) for path in fleet.NSPAWN_RUNTIME_DIR.glob("propagate/spark-*")],
+        "cgroups": [
+            str(hierarchy / fleet.CGROUP_GROUP)
+            for hierarchy in fleet.systemd_cgroup_hierarchies()
+            if (hierarchy / fleet.CGROUP_GROUP).exists()
+        ],
     }
 
 
@@ -280,7 +285,7 @@ def test_down_leaves_nothing_behind_and_up_restores_the_same_hosts(sandbox_fleet
     result = run_fleet_command("down")
     assert result.returncode == 0, result.stderr
     assert "down: fleet stopped" in result.stdout
-    assert leftovers() == {"mounts": [], "netns": [], "links": [], "processes": [], "nspawn runtime": []}
+    assert not any(leftovers().values()), leftovers()
     again = run_fleet_command("down")
     assert (again.returncode, again.stdout.strip().splitlines()[-1]) == (0, "down: nothing to stop")
     # up again for whatever runs next; the upper layers survived, so the host keys did too
