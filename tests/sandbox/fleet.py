@@ -413,13 +413,13 @@ def configure_rootfs(root: Path) -> None:
 
 def build_rootfs(force: bool = False) -> bool:
     """Build build/sandbox/rootfs unless its stamp is current; True when it was (re)built."""
-    require_root_and_tools("debootstrap", "chroot")
     sections = read_package_sections()
     wanted = rootfs_stamp(sections)
     stamp_file = ROOTFS_DIR / ".sparkfleet-rootfs-stamp"
     if not force and read_stamp(stamp_file) == wanted:
         log(f"rootfs: up to date ({ROOTFS_DIR.relative_to(REPO_ROOT)}), nothing to do")
         return False
+    require_root_and_tools("debootstrap", "chroot")
     refuse_while_hosts_run("rebuild the rootfs")
     mirror = debian_mirror()
     started = time.monotonic()
@@ -534,7 +534,6 @@ def refresh_rootfs_apt_lists() -> None:
 
 def build_aptrepo(force: bool = False) -> bool:
     """Build build/sandbox/apt unless its stamp is current; True when it was (re)built."""
-    require_root_and_tools("chroot", "dpkg-scanpackages", "mount")
     sections = read_package_sections()
     if read_stamp(ROOTFS_DIR / ".sparkfleet-rootfs-stamp") != rootfs_stamp(sections):
         raise FleetError("the rootfs is missing or out of date: run `python3 tests/sandbox/fleet.py rootfs`")
@@ -543,6 +542,7 @@ def build_aptrepo(force: bool = False) -> bool:
     if not force and read_stamp(stamp_file) == wanted:
         log(f"aptrepo: up to date ({APT_REPO_DIR.relative_to(REPO_ROOT)}), nothing to do")
         return False
+    require_root_and_tools("chroot", "dpkg-scanpackages", "mount")
     refuse_while_hosts_run("rebuild the apt repo")
     mirror = debian_mirror()
     started = time.monotonic()
