@@ -31,7 +31,11 @@ def test_builtin_profiles_are_the_recipes() -> None:
     names = set(profiles.all_profiles(SHARED["sparkfleet_profiles_builtin"], {}))
     assert {"dflash", "dense", "base", "dflash-conc8"} <= names
     dflash = resolve("dflash")
-    assert dflash["speculative"] == {"method": "dflash", "num_speculative_tokens": 12, "attention_backend": "FLASH_ATTN"}
+    assert dflash["speculative"] == {
+        "method": "dflash",
+        "num_speculative_tokens": 12,
+        "attention_backend": "FLASH_ATTN",
+    }
     argv = profiles.serve_argv(dflash["serve_args"])
     assert "--no-enable-prefix-caching" in argv and "--enable-chunked-prefill" in argv
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.82"
@@ -53,10 +57,19 @@ def test_conc8_profile_carries_its_recipe() -> None:
 
 
 def test_operator_adds_a_profile_without_touching_roles() -> None:
-    site = {"mtp": {"target": "intel-int4", "drafter": None, "serve_args": {},
-                    "speculative": {"method": "mtp", "num_speculative_tokens": 2}}}
+    site = {
+        "mtp": {
+            "target": "intel-int4",
+            "drafter": None,
+            "serve_args": {},
+            "speculative": {"method": "mtp", "num_speculative_tokens": 2},
+        }
+    }
     mtp = resolve("mtp", site)
-    assert json.loads(profiles.speculative_config(mtp, None)) == {"method": "mtp", "num_speculative_tokens": 2}
+    assert json.loads(profiles.speculative_config(mtp, None)) == {
+        "method": "mtp",
+        "num_speculative_tokens": 2,
+    }
     # and changes one flag of a builtin profile
     tuned = resolve("dflash", {"dflash": {"serve_args": {"max-num-seqs": 4}}})
     assert tuned["serve_args"]["max-num-seqs"] == 4
@@ -71,7 +84,9 @@ def test_platform_layer_wins_and_null_drops() -> None:
 
 
 def test_unknown_profile_names_the_valid_ones() -> None:
-    with pytest.raises(profiles.ProfileError, match=r"unknown profile 'turbo': valid profiles are base, dense"):
+    with pytest.raises(
+        profiles.ProfileError, match=r"unknown profile 'turbo': valid profiles are base, dense"
+    ):
         resolve("turbo")
 
 
@@ -96,7 +111,15 @@ def test_speculative_config_points_at_the_local_drafter() -> None:
 
 
 def test_systemd_quoting_round_trips_through_a_shell_like_split() -> None:
-    argv = ["/v/bin/vllm", "serve", "--speculative-config", '{"method":"dflash","x":[1,2]}', "a b", "50%", "$HOME"]
+    argv = [
+        "/v/bin/vllm",
+        "serve",
+        "--speculative-config",
+        '{"method":"dflash","x":[1,2]}',
+        "a b",
+        "50%",
+        "$HOME",
+    ]
     line = profiles.systemd_exec_args(argv)
     assert "%%" in line and "$$HOME" in line
     # systemd's quoting of this subset agrees with POSIX double quotes once %% and $$ are undone
@@ -107,13 +130,19 @@ def test_systemd_quoting_round_trips_through_a_shell_like_split() -> None:
 def test_profile_check_cli_refuses_unknown_profile_in_one_line(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "sparkfleet", "profile", "check", "turbo", "--inventory", "inventory/sandbox"],
-        cwd=ROOT, capture_output=True, text=True, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "turbo" in lines[0] and "dflash" in lines[0] and "dense" in lines[0]
     ok = subprocess.run(
         [sys.executable, "-m", "sparkfleet", "profile", "check", "dense", "--inventory", "inventory/example"],
-        cwd=ROOT, capture_output=True, text=True, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert ok.returncode == 0, ok.stderr
