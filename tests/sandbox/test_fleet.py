@@ -9,9 +9,11 @@ package lists, inventory) and need nothing.
 from __future__ import annotations
 
 import errno
+import re
 import socket
 import struct
 import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -162,6 +164,23 @@ def test_ssh_is_real_and_host_keys_are_checked_strictly(sandbox_fleet: SandboxFl
         )
         assert mismatched.returncode == 255
         assert "HOST IDENTIFICATION HAS CHANGED" in mismatched.stderr
+
+
+@pytest.mark.sandbox
+def test_ansible_reaches_every_host_through_the_generated_inventory(sandbox_fleet: SandboxFleet) -> None:
+    ansible = Path(sys.executable).with_name("ansible")
+    if not ansible.exists():
+        pytest.skip(f"no ansible next to {sys.executable} (run with the controller venv)")
+    result = subprocess.run(
+        [str(ansible), "-i", str(sandbox_fleet.inventory_path), "spark", "-m", "ansible.builtin.ping"],
+        cwd=fleet.REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    for name in sandbox_fleet.names:
+        assert re.search(rf"^{name} \| SUCCESS", result.stdout, flags=re.MULTILINE), result.stdout
 
 
 HARDENED_PROBE_UNIT = """\
