@@ -452,6 +452,7 @@ if triton is not None:
         PROGRAMS_PER_ROW: tl.constexpr,
         BF16_RN_BY_BITS: tl.constexpr,
         ONE_CHUNK: tl.constexpr,
+        VECTOR_TOKENS: tl.constexpr,
     ):
         tok = tl.program_id(0)
         part = tl.program_id(1)
@@ -485,26 +486,47 @@ if triton is not None:
             delta = (quant + acc_err_coef * scale * x_l1 + tl.abs(approx) * 4.0e-7) * slack
             upper = approx + tl.abs(approx) * rel_margin + abs_margin + delta
             is_token = (upper >= threshold) & mask_r
-            num_tokens_here = tl.sum(is_token.to(tl.int32), axis=0)
-            token_rank = tl.cumsum(is_token.to(tl.int32), axis=0) - 1
-            for t in range(0, num_tokens_here):
-                row = tl.sum(tl.where(is_token & (token_rank == t), rows, 0), axis=0)
-                w_row = w_ptr + row.to(tl.int64) * stride_w
-                if ONE_CHUNK:  # the whole row in one load: one memory latency per token
-                    w = tl.load(w_row + offs_k, mask=offs_k < hidden, other=0.0).to(tl.float32)
-                    exact = tl.sum(w * x_first, axis=0)
-                else:
-                    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-                    for k0 in range(0, hidden, BLOCK_K):
-                        kk = k0 + offs_k
-                        mask_k = kk < hidden
-                        w = tl.load(w_row + kk, mask=mask_k, other=0.0).to(tl.float32)
-                        xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
-                        acc += w * xv
-                    exact = tl.sum(acc, axis=0)
+            if VECTOR_TOKENS:
+                # All candidate rows of the block at once (masked rows are not read): the form the
+                # interpreter runs fast.
+                acc2 = tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32)
+                for k0 in range(0, hidden, BLOCK_K):
+                    kk = k0 + offs_k
+                    mask_k = kk < hidden
+                    w = tl.load(
+                        w_ptr + safe_rows[:, None].to(tl.int64) * stride_w + kk[None, :],
+                        mask=is_token[:, None] & mask_k[None, :],
+                        other=0.0,
+                    ).to(tl.float32)
+                    xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
+                    acc2 += w * xv[None, :]
+                exact_rows = tl.sum(acc2, axis=1)
                 if HAS_BIAS:
-                    exact += tl.load(bias_ptr + row).to(tl.float32)
-                tl.store(out_row + row, _to_output_dtype(exact, out_ptr, BF16_RN_BY_BITS))
+                    exact_rows += tl.load(bias_ptr + safe_rows).to(tl.float32)
+                tl.store(out_row + rows, _to_output_dtype(exact_rows, out_ptr, BF16_RN_BY_BITS), mask=is_token)
+            else:
+                # One token at a time, the whole row in one load when it fits: on the GPU this work
+                # is latency-bound, and a row per load keeps it to one memory round trip per token.
+                num_tokens_here = tl.sum(is_token.to(tl.int32), axis=0)
+                token_rank = tl.cumsum(is_token.to(tl.int32), axis=0) - 1
+                for t in range(0, num_tokens_here):
+                    row = tl.sum(tl.where(is_token & (token_rank == t), rows, 0), axis=0)
+                    w_row = w_ptr + row.to(tl.int64) * stride_w
+                    if ONE_CHUNK:
+                        w = tl.load(w_row + offs_k, mask=offs_k < hidden, other=0.0).to(tl.float32)
+                        exact = tl.sum(w * x_first, axis=0)
+                    else:
+                        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+                        for k0 in range(0, hidden, BLOCK_K):
+                            kk = k0 + offs_k
+                            mask_k = kk < hidden
+                            w = tl.load(w_row + kk, mask=mask_k, other=0.0).to(tl.float32)
+                            xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
+                            acc += w * xv
+                        exact = tl.sum(acc, axis=0)
+                    if HAS_BIAS:
+                        exact += tl.load(bias_ptr + row).to(tl.float32)
+                    tl.store(out_row + row, _to_output_dtype(exact, out_ptr, BF16_RN_BY_BITS))
 
 
 def kernels_interpreted() -> bool:
@@ -619,8 +641,11 @@ def int8_lm_head_logits(
     if exact_argmax:
         rel_margin, abs_margin = OUTPUT_MARGIN[x.dtype]
         # Enough programs per row that each re-scores a few tokens (latency-bound work).
+        # (The interpreter runs programs one by one: one per row there.)
         programs_per_row = max(RESCORE_MIN_PROGRAMS_PER_ROW, min(RESCORE_MAX_PROGRAMS_PER_ROW, 512 // num_tokens))
-        rescore_block_k = min(triton.next_power_of_2(hidden), 4096)
+        if on_cpu:
+            programs_per_row = 1
+        rescore_block_k = min(triton.next_power_of_2(hidden), 256 if on_cpu else 4096)
         _exact_rescore_kernel[(num_tokens, programs_per_row)](
             x,
             weight,
@@ -650,6 +675,7 @@ def int8_lm_head_logits(
             PROGRAMS_PER_ROW=programs_per_row,
             BF16_RN_BY_BITS=round_by_bits,
             ONE_CHUNK=hidden <= rescore_block_k,
+            VECTOR_TOKENS=on_cpu,
             num_warps=4,
         )
     return out
