@@ -4,8 +4,9 @@ Starts ``vllm serve build/models/tiny-qwen3`` on 127.0.0.1 (a port in 18401-1841
 project's patched CPU wheel (build/wheels/, unpacked once under build/dev/bench/), then runs:
 
 - the decode-only client, asserting its TPOT agrees with the server's own /metrics histograms
-  within 5 % over the same window (the honesty check), acceptance read from the spec-decode
-  counters, and a small client CPU share;
+  within 5 % for the same requests (the honesty check: median of the per-request differences,
+  at least 75 % of requests within 5 %, and the token-weighted whole run), acceptance read from
+  the spec-decode counters, and a small client CPU share;
 - albond's e2e method (max_tokens scaled 1/16), asserting run 1 is discarded and tokens match;
 - the ``vllm bench serve`` argument list, parsed by vLLM's own parser.
 
@@ -57,6 +58,8 @@ SPECULATIVE_CONFIG = {
 }
 MAX_TOKENS = 160
 TPOT_AGREEMENT = 0.05
+# ~35 s to /health on an idle 2-core machine; far more when the machine is shared and loaded
+HEALTH_TIMEOUT_S = 300
 
 
 def runnable_vllm_path() -> str | None:
@@ -179,7 +182,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     )
     base_url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + HEALTH_TIMEOUT_S
         while True:
             if process.poll() is not None:
                 pytest.fail(f"vllm serve exited {process.returncode}:\n" + log_path.read_text()[-3000:])
@@ -190,7 +193,9 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
                 if response.status == 200:
                     break
             if time.monotonic() > deadline:
-                pytest.fail("vllm serve not healthy after 150 s:\n" + log_path.read_text()[-3000:])
+                pytest.fail(
+                    f"vllm serve not healthy after {HEALTH_TIMEOUT_S} s:\n" + log_path.read_text()[-3000:]
+                )
             time.sleep(1)
         parse_out, parse_err = parse.communicate(timeout=120)
         if parse.returncode != 0:
@@ -223,12 +228,24 @@ def test_decode_tpot_agrees_with_server_metrics(live_server: LiveServer, tmp_pat
     counting = workload_file(
         tmp_path,
         "counting",
-        ["Count from 1 to 20.", "Count from 1 to 30.", "Count from 1 to 12.", "Count from 1 to 25."],
+        [
+            "Count from 1 to 20.",
+            "Count from 1 to 30.",
+            "Count from 1 to 12.",
+            "Count from 1 to 25.",
+            "Count to 9.",
+        ],
     )
     chat = workload_file(
         tmp_path,
         "chat",
-        ["What is the capital of France?", "What is the capital of Norway?", "Hello!", "Tell me a fact."],
+        [
+            "What is the capital of France?",
+            "What is the capital of Norway?",
+            "What is the capital of Egypt?",
+            "Hello!",
+            "Tell me a fact.",
+        ],
     )
     workloads = [load_workload(counting), load_workload(chat)]
     figures, details, cpu = run_decode_bench(
@@ -242,6 +259,10 @@ def test_decode_tpot_agrees_with_server_metrics(live_server: LiveServer, tmp_pat
                 "client_cpu": cpu,
                 "overall": details["tpot_agreement"],
                 "per_request": details["tpot_agreement_per_request"],
+                "requests": [
+                    (r["id"], round(r["ttft_s"], 3), round(r["decode_s"], 3), r["tpot_relative_difference"])
+                    for r in per_request
+                ],
             },
             indent=1,
         )
@@ -293,7 +314,7 @@ def test_cli_result_json_and_baseline_gate(live_server: LiveServer, tmp_path: Pa
     common = [
         "decode",
         "--base-url",
-        live_server,
+        live_server.base_url,
         "--workloads",
         counting,
         "--ignore-eos",
