@@ -75,12 +75,14 @@ INT8_LMHEAD_ENV = "SPARKFLEET_INT8_LMHEAD"
 INT8_LMHEAD_MAX_BATCH = 64
 # Rows quantized at a time, to bound the temporary float64 memory of quantization (~400 MB).
 QUANTIZE_CHUNK_ROWS = 16384
-# Programs per batch row in the exact re-scoring kernel (512 // batch, within these limits).
-RESCORE_MIN_PROGRAMS_PER_ROW = 16
+# Programs per batch row in the exact re-scoring kernel (2048 // batch, within these limits).
+RESCORE_MIN_PROGRAMS_PER_ROW = 32
 RESCORE_MAX_PROGRAMS_PER_ROW = 128
-# fp32 accumulation unit roundoff used in the error bound: 2**-22 instead of 2**-24, so the bound
-# also holds for accumulators that truncate (tensor cores) and for reordered sums.
-ACCUMULATION_UNIT_ROUNDOFF = 2.0**-22
+# fp32 accumulation unit roundoff used in the error bound: 2**-23 instead of 2**-24, so the bound
+# also holds for accumulators that truncate (tensor cores). The bound charges it to every one of the
+# K additions; tensor cores that align a group of 8..16 products to the largest exponent lose at most
+# ~16 * 2**-23 per group, i.e. about 2**-23 per product, so the charge stays an upper bound.
+ACCUMULATION_UNIT_ROUNDOFF = 2.0**-23
 # Twice the relative spacing of the output dtype (2 ulp at |LB|) and an absolute floor near zero.
 OUTPUT_MARGIN = {
     torch.bfloat16: (2.0**-6, 2.0**-120),
@@ -642,7 +644,7 @@ def int8_lm_head_logits(
         rel_margin, abs_margin = OUTPUT_MARGIN[x.dtype]
         # Enough programs per row that each re-scores a few tokens (latency-bound work).
         # (The interpreter runs programs one by one: one per row there.)
-        programs_per_row = max(RESCORE_MIN_PROGRAMS_PER_ROW, min(RESCORE_MAX_PROGRAMS_PER_ROW, 512 // num_tokens))
+        programs_per_row = max(RESCORE_MIN_PROGRAMS_PER_ROW, min(RESCORE_MAX_PROGRAMS_PER_ROW, 2048 // num_tokens))
         if on_cpu:
             programs_per_row = 1
         rescore_block_k = min(triton.next_power_of_2(hidden), 256 if on_cpu else 4096)
