@@ -174,9 +174,7 @@ def decode_section(report: ReportWriter, result: dict[str, Any], key: str) -> No
 
 def e2e_section(report: ReportWriter, result: dict[str, Any], key: str) -> None:
     prompts = result["details"].get("prompts", [])
-    report.add(
-        "| prompt | max_tokens | completion tokens | wall s (run 2) | tok/s |", "|---|---|---|---|---|"
-    )
+    report.add("| prompt | max_tokens | completion tokens | wall s (run 2) | tok/s |", "|---|---|---|---|---|")
     for prompt in prompts:
         report.add(
             f"| {prompt['id']} | {prompt['max_tokens']} | {prompt['completion_tokens']} | "
@@ -250,9 +248,7 @@ SECTIONS = {"decode": decode_section, "e2e": e2e_section, "serving": serving_sec
 
 def over_time(report: ReportWriter, runs: list[dict[str, Any]], kind: str, key: str) -> None:
     headline = "all requests" if kind == "decode" else HEADLINE[kind]
-    series: list[tuple[str, list[float | None]]] = [
-        (headline, [r["figures"].get(HEADLINE[kind]) for r in runs])
-    ]
+    series: list[tuple[str, list[float | None]]] = [(headline, [r["figures"].get(HEADLINE[kind]) for r in runs])]
     if kind == "decode":
         names = sorted(
             {
@@ -262,9 +258,7 @@ def over_time(report: ReportWriter, runs: list[dict[str, Any]], kind: str, key: 
                 if n.startswith("decode_tok_s_median[")
             }
         )
-        series += [
-            (name, [r["figures"].get(f"decode_tok_s_median[{name}]") for r in runs]) for name in names[:6]
-        ]
+        series += [(name, [r["figures"].get(f"decode_tok_s_median[{name}]") for r in runs]) for name in names[:6]]
     report.plot(
         f"{key}-{kind}-over-time",
         png_charts.line_chart(
@@ -332,10 +326,7 @@ def build_report(results_dir: Path, out: Path) -> ReportWriter:
     for result in results:  # sorted by time: the last assignment is the latest
         by_profile[result.get("profile") or "-"][result["kind"]][result["host"]] = result
     comparisons = [
-        (p, k, hosts)
-        for p, kinds in sorted(by_profile.items())
-        for k, hosts in sorted(kinds.items())
-        if len(hosts) > 1
+        (p, k, hosts) for p, kinds in sorted(by_profile.items()) for k, hosts in sorted(kinds.items()) if len(hosts) > 1
     ]
     if comparisons:
         report.add("## Across hosts (latest run each)", "")
@@ -367,13 +358,7 @@ def run_report_command(args: argparse.Namespace) -> int:
 
 def register(subparsers: Any) -> None:
     """Add ``sparkfleet report`` (CLI contract of sparkfleet.cli)."""
-    parser = subparsers.add_parser(
-        "report", help="render results/*.json into a Markdown report with PNG plots"
-    )
-    parser.add_argument(
-        "--results", default="results", help="directory of result JSON files (default results)"
-    )
-    parser.add_argument(
-        "--out", default="results/report.md", help="Markdown file to write (default results/report.md)"
-    )
+    parser = subparsers.add_parser("report", help="render results/*.json into a Markdown report with PNG plots")
+    parser.add_argument("--results", default="results", help="directory of result JSON files (default results)")
+    parser.add_argument("--out", default="results/report.md", help="Markdown file to write (default results/report.md)")
     parser.set_defaults(func=run_report_command)

@@ -60,21 +60,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--patch-set", help="id of the vLLM patch set the server runs (default: read from the local vLLM)"
     )
-    parser.add_argument(
-        "--model-revision", help="model revision (default: read from an HF snapshot path, else none)"
-    )
-    parser.add_argument(
-        "--drafter-revision", help="drafter revision, e.g. 6c7242c934a9870d7c59c05240bdbb2467cc1394"
-    )
-    parser.add_argument(
-        "--out", default="results", help="result file (*.json) or directory (default: results)"
-    )
-    parser.add_argument(
-        "--baselines", help="JSON object or file of figure -> baseline, e.g. '{\"e2e_tok_s\": 53.7}'"
-    )
-    parser.add_argument(
-        "--tolerance-pct", type=float, default=5.0, help="allowed regression in %% (default 5)"
-    )
+    parser.add_argument("--model-revision", help="model revision (default: read from an HF snapshot path, else none)")
+    parser.add_argument("--drafter-revision", help="drafter revision, e.g. 6c7242c934a9870d7c59c05240bdbb2467cc1394")
+    parser.add_argument("--out", default="results", help="result file (*.json) or directory (default: results)")
+    parser.add_argument("--baselines", help="JSON object or file of figure -> baseline, e.g. '{\"e2e_tok_s\": 53.7}'")
+    parser.add_argument("--tolerance-pct", type=float, default=5.0, help="allowed regression in %% (default 5)")
     parser.add_argument("--quiet", action="store_true", help="no per-request progress on stderr")
 
 
@@ -95,12 +85,8 @@ def add_bench_subcommands(sub: Any) -> None:
     e2e = sub.add_parser("e2e", help="albond's end-to-end tok/s (5 prompts, run 1 discarded)")
     _add_common(e2e)
     e2e.add_argument("--workload", default=E2E_WORKLOAD, help=f"prompt set (default {E2E_WORKLOAD})")
-    e2e.add_argument(
-        "--max-tokens-scale", type=float, default=1.0, help="multiply max_tokens 256/512/1024/64/2048"
-    )
-    e2e.add_argument(
-        "--ignore-eos", action="store_true", help="generate up to max_tokens (not in albond's method)"
-    )
+    e2e.add_argument("--max-tokens-scale", type=float, default=1.0, help="multiply max_tokens 256/512/1024/64/2048")
+    e2e.add_argument("--ignore-eos", action="store_true", help="generate up to max_tokens (not in albond's method)")
     e2e.set_defaults(func=run_with_errors, command=run_e2e_command)
 
     serving = sub.add_parser("serving", help="vllm bench serve on a ShareGPT-format dataset (conc 8)")
@@ -109,9 +95,7 @@ def add_bench_subcommands(sub: Any) -> None:
     serving.add_argument("--num-prompts", type=int, default=64)
     serving.add_argument("--max-concurrency", type=int, default=8)
     serving.add_argument("--backend", default="openai-chat", choices=["openai-chat", "vllm"])
-    serving.add_argument(
-        "--tokenizer", help="tokenizer path or repo (default: the model root the server reports)"
-    )
+    serving.add_argument("--tokenizer", help="tokenizer path or repo (default: the model root the server reports)")
     serving.add_argument("--output-len", type=int, help="fixed output length (--sharegpt-output-len)")
     serving.add_argument("--seed", type=int, default=0)
     serving.add_argument("--vllm-command", help="how to run vLLM's CLI (default: this Python -m vllm...)")
@@ -146,9 +130,7 @@ def _finish(result: dict[str, Any], args: argparse.Namespace) -> int:
     """Compare with baselines if given, write the result, print one line per check; return the exit code."""
     exit_code = 0
     if getattr(args, "baselines", None):
-        comparison = res.compare_with_baselines(
-            result, res.load_baselines(args.baselines), args.tolerance_pct
-        )
+        comparison = res.compare_with_baselines(result, res.load_baselines(args.baselines), args.tolerance_pct)
         result["comparison"] = comparison
         for check in comparison["checks"]:
             print(check["reason"])
@@ -230,9 +212,7 @@ def run_e2e_command(args: argparse.Namespace) -> int:
         "discarded_runs": 1,
     }
     result = _new_result("e2e", args, server, model, root, revision, settings)
-    figures, details, cpu = run_e2e_bench(
-        server, model, workload, ignore_eos=args.ignore_eos, progress=not args.quiet
-    )
+    figures, details, cpu = run_e2e_bench(server, model, workload, ignore_eos=args.ignore_eos, progress=not args.quiet)
     result.update(figures=figures, details=details, client_cpu=cpu)
     return _finish(result, args)
 

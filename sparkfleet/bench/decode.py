@@ -53,9 +53,7 @@ def _relative(client: float | None, server: float | None) -> float | None:
     return (client - server) / server
 
 
-def tpot_agreement(
-    completions: list[StreamedCompletion], server: prom.ServerTpotWindow | None
-) -> TpotAgreement:
+def tpot_agreement(completions: list[StreamedCompletion], server: prom.ServerTpotWindow | None) -> TpotAgreement:
     """Compare the client's TPOT with the server's histograms for the same requests.
 
     Primary figure: token-weighted TPOT on both sides (client: summed decode windows over summed
@@ -224,9 +222,7 @@ def run_decode_bench(
     server_windows: list[prom.ServerTpotWindow] = []
     with CpuMeter() as cpu:
         for workload in workloads:
-            outcome = run_workload(
-                server, model, workload, snapshot, repeats=repeats, progress=progress, extra=extra
-            )
+            outcome = run_workload(server, model, workload, snapshot, repeats=repeats, progress=progress, extra=extra)
             snapshot = outcome.pop("_after")
             rates = outcome.pop("_rates")
             completions = outcome.pop("_completions")
@@ -259,9 +255,7 @@ def run_decode_bench(
     per_request = [r for w in details["workloads"] for r in w["per_request"]]
     details["tpot_agreement_per_request"] = summarize_request_agreement(per_request)
     figures["tpot_relative_difference"] = overall.relative_difference
-    figures["tpot_relative_difference_median"] = details["tpot_agreement_per_request"][
-        "median_relative_difference"
-    ]
+    figures["tpot_relative_difference_median"] = details["tpot_agreement_per_request"]["median_relative_difference"]
     figures["tpot_within_5pct_share"] = details["tpot_agreement_per_request"]["within_tolerance_share"]
     figures["client_cpu_share"] = cpu.share
     return figures, details, cpu.as_dict()

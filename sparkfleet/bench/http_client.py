@@ -106,9 +106,7 @@ class OpenAIServer:
     def post_json(self, path: str, body: dict[str, Any]) -> Any:
         connection = self._connection()
         try:
-            connection.request(
-                "POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"}
-            )
+            connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
             response = connection.getresponse()
             payload = response.read().decode("utf-8")
             if response.status != 200:
@@ -223,9 +221,7 @@ def _read_event_stream(response: http.client.HTTPResponse, request_start: float)
         if choice.get("finish_reason"):
             finish_reason = choice["finish_reason"]
     if usage is None:
-        raise BenchHTTPError(
-            "stream ended without a usage chunk; the server ignored stream_options.include_usage"
-        )
+        raise BenchHTTPError("stream ended without a usage chunk; the server ignored stream_options.include_usage")
     if not continuous_usage:  # no per-chunk counts: the first chunk stands for the first token
         window_start, tokens_at_window_start = first_chunk, 1
     return StreamedCompletion(

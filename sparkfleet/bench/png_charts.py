@@ -101,17 +101,10 @@ def encode_png(width: int, height: int, rgb: bytes | bytearray) -> bytes:
     raw = b"".join(b"\x00" + bytes(rgb[y * stride : (y + 1) * stride]) for y in range(height))
 
     def chunk(tag: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
-        )
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
 
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(raw, 9))
-        + chunk(b"IEND", b"")
-    )
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
 
 
 class Canvas:
@@ -170,9 +163,7 @@ class Canvas:
                 for col in range(GLYPH_W):
                     if bits & (1 << (GLYPH_W - 1 - col)):
                         top = y + row_index * scale
-                        self.rect(
-                            left + col * scale, top, left + col * scale + scale - 1, top + scale - 1, color
-                        )
+                        self.rect(left + col * scale, top, left + col * scale + scale - 1, top + scale - 1, color)
 
     def text_centered(self, cx: int, y: int, text: str, color: Color = BLACK, scale: int = 2) -> None:
         """Centre ``text`` on x = cx, shifted inwards where it would leave the canvas."""
@@ -299,9 +290,7 @@ def bar_chart(
             x0 = int(group_left + series_index * bar_w)
             y = frame.y_of(value)
             zero = frame.y_of(max(0.0, frame.y_low))
-            canvas.rect(
-                x0 + 1, min(y, zero), x0 + bar_w - 2, max(y, zero) - 1, PALETTE[series_index % len(PALETTE)]
-            )
+            canvas.rect(x0 + 1, min(y, zero), x0 + bar_w - 2, max(y, zero) - 1, PALETTE[series_index % len(PALETTE)])
             label = format_number(value)
             label_scale = next((s for s in (2, 1) if Canvas.text_width(label, s) <= bar_w + 8), 0)
             if label_scale:

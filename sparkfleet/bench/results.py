@@ -149,9 +149,7 @@ def load_baselines(spec: str) -> dict[str, float]:
     if not spec.lstrip().startswith("{"):
         path = Path(spec)
         if not path.is_file():
-            raise ResultError(
-                f"baselines {spec!r} is neither a JSON object nor a file; e.g. '{{\"e2e_tok_s\": 53.7}}'"
-            )
+            raise ResultError(f"baselines {spec!r} is neither a JSON object nor a file; e.g. '{{\"e2e_tok_s\": 53.7}}'")
         text = path.read_text(encoding="utf-8")
     try:
         data = json.loads(text)
@@ -196,9 +194,7 @@ class Check:
 def compare_figure(figure: str, measured: float | None, baseline: float, tolerance_pct: float) -> Check:
     """Compare one figure with its baseline, allowing ``tolerance_pct`` in the bad direction."""
     if measured is None:
-        return Check(
-            figure, baseline, None, False, f"{figure}: not measured in this run (baseline {baseline:g})"
-        )
+        return Check(figure, baseline, None, False, f"{figure}: not measured in this run (baseline {baseline:g})")
     if baseline == 0:
         change_pct = 0.0 if measured == 0 else math.copysign(math.inf, measured)
     else:
@@ -213,15 +209,12 @@ def compare_figure(figure: str, measured: float | None, baseline: float, toleran
         rule = f"may be at most {tolerance_pct:g}% below"
     verdict = "ok" if passed else "REGRESSION"
     reason = (
-        f"{figure}: {measured:.4g} vs baseline {baseline:.4g} ({abs(change_pct):.1f}% {direction}; "
-        f"{rule}) {verdict}"
+        f"{figure}: {measured:.4g} vs baseline {baseline:.4g} ({abs(change_pct):.1f}% {direction}; {rule}) {verdict}"
     )
     return Check(figure, baseline, measured, passed, reason)
 
 
-def compare_with_baselines(
-    result: dict[str, Any], baselines: dict[str, float], tolerance_pct: float
-) -> dict[str, Any]:
+def compare_with_baselines(result: dict[str, Any], baselines: dict[str, float], tolerance_pct: float) -> dict[str, Any]:
     """Compare a result's figures with baselines; baselines naming figures of another kind are skipped.
 
     A baseline applies to a result when its figure name is one this kind of run produces

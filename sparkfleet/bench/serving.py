@@ -57,9 +57,7 @@ def build_serve_argv(
     if backend not in BACKEND_ENDPOINTS:
         raise ServingBenchError(f"backend {backend!r} is not one of {', '.join(BACKEND_ENDPOINTS)}")
     if num_prompts < 1 or max_concurrency < 1:
-        raise ServingBenchError(
-            f"num-prompts {num_prompts} and max-concurrency {max_concurrency} must both be >= 1"
-        )
+        raise ServingBenchError(f"num-prompts {num_prompts} and max-concurrency {max_concurrency} must both be >= 1")
     argv = [
         *vllm_command,
         "bench",

@@ -76,9 +76,7 @@ class StubState:
             self.counters["generation_tokens"] += tokens
             decode = last - first
             self.observe("vllm:request_decode_time_seconds", decode)
-            self.observe(
-                "vllm:request_time_per_output_token_seconds", decode / (tokens - 1) if tokens > 1 else 0.0
-            )
+            self.observe("vllm:request_time_per_output_token_seconds", decode / (tokens - 1) if tokens > 1 else 0.0)
             for gap in gaps:
                 self.observe("vllm:inter_token_latency_seconds", gap)
             for _ in range(self.extra_requests):  # foreign requests: one token each
@@ -106,9 +104,7 @@ class StubState:
                 f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {self.counters['accepted']}",
             ]
             for pos, value in enumerate(self.per_pos):
-                lines.append(
-                    f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{pos}"}} {value}'
-                )
+                lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{pos}"}} {value}')
             for name, hist in self.hist.items():
                 lines.append(f"# TYPE {name} histogram")
                 for bound, count in zip([*TPOT_BUCKETS, "+Inf"], hist["buckets"], strict=True):
@@ -134,9 +130,7 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
 
         def do_GET(self) -> None:
             if self.path == "/v1/models":
-                body = {
-                    "data": [{"id": "stub", "root": "/models/hub/models--org--stub/snapshots/" + "a" * 40}]
-                }
+                body = {"data": [{"id": "stub", "root": "/models/hub/models--org--stub/snapshots/" + "a" * 40}]}
                 self._send(200, json.dumps(body).encode(), "application/json")
             elif self.path == "/version":
                 self._send(200, b'{"version": "0.23.0+stub"}', "application/json")

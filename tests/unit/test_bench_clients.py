@@ -20,10 +20,7 @@ GAP_S = 0.004
 
 
 def one_request_workload(name: str, tokens: int, count: int = 2) -> Workload:
-    requests = [
-        BenchRequest(f"{name}-{i}", [{"role": "user", "content": f"{name} {i}"}], tokens)
-        for i in range(count)
-    ]
+    requests = [BenchRequest(f"{name}-{i}", [{"role": "user", "content": f"{name} {i}"}], tokens) for i in range(count)]
     return Workload(name=name, description="test", requests=requests)
 
 
@@ -102,8 +99,7 @@ def test_decode_excludes_prefill_and_reads_acceptance() -> None:
     assert cpu["wall_s"] > 0
     # every request was streamed at temperature 0 with usage requested
     assert all(
-        b["stream"] and b["temperature"] == 0.0 and b["stream_options"]["include_usage"]
-        for b in stub.state.bodies
+        b["stream"] and b["temperature"] == 0.0 and b["stream_options"]["include_usage"] for b in stub.state.bodies
     )
 
 
@@ -161,9 +157,7 @@ def test_e2e_discards_run_one_and_scales_max_tokens() -> None:
     assert figures["acceptance_length"] == pytest.approx(3.0)  # stub default: 2 accepted per step
 
 
-def test_cli_writes_result_and_fails_on_regression(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_cli_writes_result_and_fails_on_regression(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     workload_file = tmp_path / "tiny.json"
     workload_file.write_text(
         json.dumps(
@@ -227,11 +221,6 @@ def test_cli_bad_inputs_give_one_line_errors(tmp_path: Path, capsys: pytest.Capt
     assert bench_main(["e2e", "--base-url", "http://127.0.0.1:1", "--out", str(tmp_path)]) == 2
     assert "is a server listening at http://127.0.0.1:1" in capsys.readouterr().err
     with StubServer() as stub:
-        assert (
-            bench_main(
-                ["decode", "--base-url", stub.base_url, "--workloads", "nosuch", "--out", str(tmp_path)]
-            )
-            == 2
-        )
+        assert bench_main(["decode", "--base-url", stub.base_url, "--workloads", "nosuch", "--out", str(tmp_path)]) == 2
     assert "workload 'nosuch' not found" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing written on a failed run

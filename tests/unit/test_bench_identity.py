@@ -10,17 +10,11 @@ import pytest
 from sparkfleet import bench
 
 
-def test_patch_set_read_from_local_vllm_without_importing_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_patch_set_read_from_local_vllm_without_importing_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     package = tmp_path / "vllm"
     package.mkdir()
-    (package / "__init__.py").write_text(
-        "raise RuntimeError('vllm must not be imported to read the patch set')\n"
-    )
-    (package / "_sparkfleet_patchset.py").write_text(
-        "PATCHSET_ID = 'fc856daa00'\nVERSION = '0.23.0+sffc856daa00'\n"
-    )
+    (package / "__init__.py").write_text("raise RuntimeError('vllm must not be imported to read the patch set')\n")
+    (package / "_sparkfleet_patchset.py").write_text("PATCHSET_ID = 'fc856daa00'\nVERSION = '0.23.0+sffc856daa00'\n")
     monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
     monkeypatch.delitem(sys.modules, "vllm", raising=False)
     assert bench.local_patch_set() == "fc856daa00"

@@ -18,9 +18,7 @@ from sparkfleet.bench import serving
 from sparkfleet.bench.http_client import OpenAIServer
 from tests.unit.bench_stub import StubServer
 
-RECORDED = json.loads(
-    (Path(__file__).parent / "bench_data" / "vllm-bench-serve-0.23.0-result.json").read_text()
-)
+RECORDED = json.loads((Path(__file__).parent / "bench_data" / "vllm-bench-serve-0.23.0-result.json").read_text())
 
 # Stands in for vLLM's CLI: checks the flags it gets and writes the recorded result where told.
 FAKE_VLLM = """
@@ -131,6 +129,4 @@ def test_failed_run_reports_exit_code_and_tail(tmp_path: Path) -> None:
             vllm_command=[sys.executable, str(script)],
         )
     with pytest.raises(serving.ServingBenchError, match="dataset 'nope.json' not found"):
-        serving.run_serving_bench(
-            base_url="http://x", model="m", served_model_name="s", dataset_path="nope.json"
-        )
+        serving.run_serving_bench(base_url="http://x", model="m", served_model_name="s", dataset_path="nope.json")

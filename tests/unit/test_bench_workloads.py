@@ -39,9 +39,7 @@ def test_agent_set_is_marked_synthetic_in_data_and_readme() -> None:
 def test_sharegpt_dataset_shape() -> None:
     data = json.loads(wl.SHAREGPT_DATASET.read_text())
     assert len(data) >= 64
-    assert all(
-        e["conversations"][0]["from"] == "human" and e["conversations"][1]["from"] == "gpt" for e in data
-    )
+    assert all(e["conversations"][0]["from"] == "human" and e["conversations"][1]["from"] == "gpt" for e in data)
 
 
 def test_scale_and_limit() -> None:

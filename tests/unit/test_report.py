@@ -68,9 +68,7 @@ def test_font_and_text_rendering() -> None:
     assert all(len(rows) == 7 and all(0 <= r < 32 for r in rows) for rows in png_charts.GLYPHS.values())
     canvas = png_charts.Canvas(40, 12)
     canvas.text(0, 0, "i1", png_charts.BLACK, 1)  # lower case is drawn as upper case
-    lit = [
-        (x, y) for y in range(12) for x in range(40) if canvas.pixels[(y * 40 + x) * 3] == png_charts.BLACK[0]
-    ]
+    lit = [(x, y) for y in range(12) for x in range(40) if canvas.pixels[(y * 40 + x) * 3] == png_charts.BLACK[0]]
     expected = sum(bin(r).count("1") for r in png_charts.GLYPHS["I"] + png_charts.GLYPHS["1"])
     assert len(lit) == expected
     edge = png_charts.Canvas(10, 4)
@@ -146,11 +144,7 @@ def test_report_renders_sections_plots_and_verdicts(tmp_path: Path) -> None:
         "dense",
         "2026-06-22T10:00:00Z",
         {"e2e_tok_s": 59.0},
-        {
-            "prompts": [
-                {"id": "e2e-1", "max_tokens": 256, "completion_tokens": 256, "wall_s": 4.3, "tok_s": 59.5}
-            ]
-        },
+        {"prompts": [{"id": "e2e-1", "max_tokens": 256, "completion_tokens": 256, "wall_s": 4.3, "tok_s": 59.5}]},
     )
     res.write_result(e2e, results / "e2e.json")
     (results / "broken.json").write_text("{}")

@@ -73,9 +73,7 @@ def runnable_vllm_path() -> str | None:
     if not wheels:
         return None
     wheel = wheels[-1]
-    digest = hashlib.sha256(
-        f"{wheel.name}:{wheel.stat().st_size}:{wheel.stat().st_mtime_ns}".encode()
-    ).hexdigest()
+    digest = hashlib.sha256(f"{wheel.name}:{wheel.stat().st_size}:{wheel.stat().st_mtime_ns}".encode()).hexdigest()
     site = REPO / "build" / "dev" / "bench" / f"vllm-site-{digest[:12]}"
     if not (site / "vllm" / "__init__.py").is_file():
         partial = site.with_name(site.name + ".partial")
@@ -170,9 +168,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
         json.dumps(SPECULATIVE_CONFIG),
     ]
     with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     parse = subprocess.Popen(
         [sys.executable, "-c", PARSE_SERVE_ARGV, *SERVE_ARGV[3:]],
         env=env,
@@ -193,9 +189,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
                 if response.status == 200:
                     break
             if time.monotonic() > deadline:
-                pytest.fail(
-                    f"vllm serve not healthy after {HEALTH_TIMEOUT_S} s:\n" + log_path.read_text()[-3000:]
-                )
+                pytest.fail(f"vllm serve not healthy after {HEALTH_TIMEOUT_S} s:\n" + log_path.read_text()[-3000:])
             time.sleep(1)
         parse_out, parse_err = parse.communicate(timeout=120)
         if parse.returncode != 0:
@@ -268,9 +262,7 @@ def test_decode_tpot_agrees_with_server_metrics(live_server: LiveServer, tmp_pat
         )
     )
     for workload in details["workloads"]:
-        assert [r["completion_tokens"] for r in workload["per_request"]] == [MAX_TOKENS] * workload[
-            "requests"
-        ]
+        assert [r["completion_tokens"] for r in workload["per_request"]] == [MAX_TOKENS] * workload["requests"]
         assert workload["tpot_agreement"]["window_clean"], workload["tpot_agreement"]
         spec = workload["spec_decode"]
         assert spec["drafts"] > 0 and spec["draft_tokens"] == 3 * spec["drafts"]
@@ -287,9 +279,7 @@ def test_decode_tpot_agrees_with_server_metrics(live_server: LiveServer, tmp_pat
     # shared sandbox stalled the server or client for a large fraction of a request, and its
     # chunks arrived in one burst): that is a stall of the host, reported above, not a bias.
     if all(abs(r["tpot_relative_difference"]) < 0.25 for r in per_request):
-        assert abs(details["tpot_agreement"]["relative_difference"]) < TPOT_AGREEMENT, details[
-            "tpot_agreement"
-        ]
+        assert abs(details["tpot_agreement"]["relative_difference"]) < TPOT_AGREEMENT, details["tpot_agreement"]
     assert figures["decode_tok_s_median"] > 0
     assert cpu["share"] < 0.5  # the client is not what limits the figures
 
@@ -324,14 +314,9 @@ def test_cli_result_json_and_baseline_gate(live_server: LiveServer, tmp_path: Pa
         "--patch-set",
         "live-test",
     ]
+    assert bench_main([*common, "--out", str(tmp_path / "ok.json"), "--baselines", '{"decode_tok_s_median": 1}']) == 0
     assert (
-        bench_main([*common, "--out", str(tmp_path / "ok.json"), "--baselines", '{"decode_tok_s_median": 1}'])
-        == 0
-    )
-    assert (
-        bench_main(
-            [*common, "--out", str(tmp_path / "bad.json"), "--baselines", '{"decode_tok_s_median": 1000000}']
-        )
+        bench_main([*common, "--out", str(tmp_path / "bad.json"), "--baselines", '{"decode_tok_s_median": 1000000}'])
         == 1
     )
     result = res.load_result(tmp_path / "ok.json")

@@ -190,12 +190,9 @@ def agent_set(rng: random.Random) -> dict[str, object]:
     system = agent_system_prompt()
     requests = []
     for index, (goal, file_name) in enumerate(AGENT_GOALS, 1):
-        listing = sorted(
-            {file_name, "tests/", "pyproject.toml", rng.choice(["utils.py", "main.py", "io.py"])}
-        )
+        listing = sorted({file_name, "tests/", "pyproject.toml", rng.choice(["utils.py", "main.py", "io.py"])})
         file_lines = [
-            f"{n:3d}  " + rng.choice(["import os", "import json", "def main():", "    pass"])
-            for n in range(1, 7)
+            f"{n:3d}  " + rng.choice(["import os", "import json", "def main():", "    pass"]) for n in range(1, 7)
         ]
         messages = [
             {"role": "system", "content": system},
