@@ -55,6 +55,7 @@ Triton interpreter (``TRITON_INTERPRET=1``, for tests); elsewhere, and for batch
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -103,6 +104,8 @@ class KernelConfig:
     convert: int  # int8 -> bf16: 0 plain cast; 1 byte-permute + fp32 magic number (CUDA, bf16 only)
     w_is_a: int  # 1: weight tile is the dot's A operand; 0: the activations are
     programs_per_sm: int = 0  # > 0: persistent grid of this many programs per SM; 0: one per block
+    tiled: int = 0  # 1: the int8 weight is stored in this config's tile order
+    evict_first: int = 0  # 1: weight loads marked evict-first (streamed once, keep L2 for the rest)
 
 
 # Chosen from the autotune sweep in tests/gpu/bench_int8_lmhead.py (tests/gpu/results/*.json) on an
@@ -135,12 +138,25 @@ def int8_lmhead_device_supported(device: torch.device) -> bool:
 class Int8LMHeadWeight:
     """The int8 copy of one lm-head weight and the per-row numbers the error bound needs."""
 
-    qweight: torch.Tensor  # [V, K] int8, q = round(w / scale), |q| <= 127
+    # q = round(w / scale), |q| <= 127: [V, K] row-major, or with ``tile`` = (BLOCK_V, BLOCK_K) the
+    # tiles [V / BLOCK_V, K / BLOCK_K, BLOCK_V, BLOCK_K] (zero-padded), so that each program of the
+    # kernel streams one contiguous run of memory.
+    qweight: torch.Tensor
     scale: torch.Tensor  # [V] float32
     err_max: torch.Tensor  # [V] float32, >= max_k |w - scale * q| (rounded up)
     err_l2: torch.Tensor  # [V] float32, >= ||w - scale * q||_2 (rounded up)
     source_data_ptr: int  # the bf16 weight this was made from (re-quantize if it is replaced)
     source_shape: tuple[int, ...]
+    tile: tuple[int, int] | None = None
+
+    def rows(self) -> torch.Tensor:
+        """The int8 codes as a row-major [V, K] tensor (a copy when tiled)."""
+        if self.tile is None:
+            return self.qweight
+        num_rows, hidden = self.source_shape
+        blocks, k_tiles, block_v, block_k = self.qweight.shape
+        flat = self.qweight.permute(0, 2, 1, 3).reshape(blocks * block_v, k_tiles * block_k)
+        return flat[:num_rows, :hidden]
 
 
 def _round_up_to_float32(values: torch.Tensor) -> torch.Tensor:
@@ -151,15 +167,28 @@ def _round_up_to_float32(values: torch.Tensor) -> torch.Tensor:
     return torch.where(too_small, bumped, as_float32)
 
 
-def quantize_lm_head_weight(weight: torch.Tensor, chunk_rows: int = QUANTIZE_CHUNK_ROWS) -> Int8LMHeadWeight:
-    """Per-row symmetric int8 quantization of ``weight`` [V, K], with its error bounds, on its device."""
+def quantize_lm_head_weight(
+    weight: torch.Tensor, chunk_rows: int = QUANTIZE_CHUNK_ROWS, tile: tuple[int, int] | None = None
+) -> Int8LMHeadWeight:
+    """Per-row symmetric int8 quantization of ``weight`` [V, K], with its error bounds, on its device.
+
+    ``tile`` = (BLOCK_V, BLOCK_K) stores the codes in the kernel's tile order (see Int8LMHeadWeight).
+    """
     if weight.dim() != 2:
         raise ValueError(f"lm head weight must be 2-D [vocab, hidden], got shape {tuple(weight.shape)}")
     if not weight.is_floating_point():
         raise ValueError(f"lm head weight must be floating point, got {weight.dtype}")
     num_rows, hidden = weight.shape
     device = weight.device
-    qweight = torch.empty((num_rows, hidden), dtype=torch.int8, device=device)
+    if tile is None:
+        qweight = torch.empty((num_rows, hidden), dtype=torch.int8, device=device)
+    else:
+        block_v, block_k = tile
+        if block_v <= 0 or block_k <= 0:
+            raise ValueError(f"tile={tile} must be two positive sizes (BLOCK_V, BLOCK_K)")
+        chunk_rows = max(block_v, chunk_rows // block_v * block_v)
+        k_tiles = -(-hidden // block_k)
+        qweight = torch.zeros((-(-num_rows // block_v), k_tiles, block_v, block_k), dtype=torch.int8, device=device)
     scale = torch.empty(num_rows, dtype=torch.float32, device=device)
     err_max = torch.empty(num_rows, dtype=torch.float32, device=device)
     err_l2 = torch.empty(num_rows, dtype=torch.float32, device=device)
@@ -171,7 +200,16 @@ def quantize_lm_head_weight(weight: torch.Tensor, chunk_rows: int = QUANTIZE_CHU
         s = row_scale.to(torch.float64)[:, None]
         q = torch.clamp(torch.round(w / s), -127, 127)
         err = w - s * q  # exact in float64: w and s*q have < 53 significant bits between them
-        qweight[rows] = q.to(torch.int8)
+        if tile is None:
+            qweight[rows] = q.to(torch.int8)
+        else:
+            padded = torch.zeros(
+                (-(-q.shape[0] // block_v) * block_v, k_tiles * block_k), dtype=torch.int8, device=device
+            )
+            padded[: q.shape[0], :hidden] = q.to(torch.int8)
+            first = start // block_v
+            tiles = padded.view(-1, block_v, k_tiles, block_k).permute(0, 2, 1, 3)
+            qweight[first : first + tiles.shape[0]] = tiles
         scale[rows] = row_scale
         err_max[rows] = _round_up_to_float32(err.abs().amax(dim=1))
         # float64 sum of K squares: relative error < K * 2**-53, covered by the 1e-9 inflation.
@@ -183,6 +221,7 @@ def quantize_lm_head_weight(weight: torch.Tensor, chunk_rows: int = QUANTIZE_CHU
         err_l2=err_l2,
         source_data_ptr=weight.data_ptr(),
         source_shape=tuple(weight.shape),
+        tile=tile,
     )
 
 
@@ -218,6 +257,14 @@ def int8_logit_error_bound(x: torch.Tensor, packed: Int8LMHeadWeight) -> torch.T
         packed.err_max.to(torch.float64)[None, :] * x_l1, packed.err_l2.to(torch.float64)[None, :] * x_l2
     )
     return quant + accumulation_error_coefficient(hidden) * scale * x_l1
+
+
+def weight_tile() -> tuple[int, int] | None:
+    """The tile order the tuned configs want the int8 weight in (one for all buckets), or None."""
+    tiles = {(c.block_v, c.block_k) if c.tiled else None for c in KERNEL_CONFIGS.values()}
+    if len(tiles) != 1:
+        raise ValueError(f"KERNEL_CONFIGS mix weight layouts {sorted(map(str, tiles))}: give every bucket one")
+    return tiles.pop()
 
 
 def select_kernel_config(num_tokens: int) -> KernelConfig:
@@ -289,6 +336,8 @@ if triton is not None:
         W_IS_A: tl.constexpr,
         EVEN_K: tl.constexpr,
         BF16_RN_BY_BITS: tl.constexpr,
+        TILED: tl.constexpr,
+        EVICT_FIRST: tl.constexpr,
     ):
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -299,20 +348,31 @@ if triton is not None:
         # stay unpredicated and 16 bytes wide.
         rows = tl.minimum(offs_v, num_rows - 1)
         toks = tl.minimum(offs_b, num_tokens - 1)
-        w_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_q + offs_k[None, :]
+        if TILED:
+            # stride_q is the number of K tiles here; padding rows/columns hold zeros.
+            tile_start = pid_v.to(tl.int64) * stride_q * BLOCK_V * BLOCK_K
+            w_ptrs = q_ptr + tile_start + tl.arange(0, BLOCK_V)[:, None] * BLOCK_K + offs_k[None, :]
+            w_step = BLOCK_V * BLOCK_K
+        else:
+            w_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_q + offs_k[None, :]
+            w_step = BLOCK_K
         x_ptrs = x_ptr + toks[:, None].to(tl.int64) * stride_x + offs_k[None, :]
         if W_IS_A:
             acc = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_B, BLOCK_V], dtype=tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs)
+            if EVEN_K or TILED:
+                if EVICT_FIRST:  # noqa: SIM108 - constexpr branches, kept as statements for Triton
+                    w = tl.load(w_ptrs, eviction_policy="evict_first")
+                else:
+                    w = tl.load(w_ptrs)
+            else:
+                w = tl.load(w_ptrs, mask=((k0 + offs_k) < hidden)[None, :], other=0)
+            if EVEN_K:  # noqa: SIM108 - constexpr branches, kept as statements for Triton
                 xt = tl.load(x_ptrs)
             else:
-                mask_k = (k0 + offs_k) < hidden
-                w = tl.load(w_ptrs, mask=mask_k[None, :], other=0)
-                xt = tl.load(x_ptrs, mask=mask_k[None, :], other=0.0)
+                xt = tl.load(x_ptrs, mask=((k0 + offs_k) < hidden)[None, :], other=0.0)
             if CONVERT == 1:
                 # int8 -> bf16, exact: flip the sign bit (q + 128 as a byte), place the byte in the
                 # mantissa of 2**23 (prmt), subtract 2**23 + 128 in fp32, keep the high halves
@@ -351,7 +411,7 @@ if triton is not None:
                 acc = tl.dot(wd, tl.trans(xt), acc, input_precision="ieee")
             else:
                 acc = tl.dot(xt, tl.trans(wd), acc, input_precision="ieee")
-            w_ptrs += BLOCK_K
+            w_ptrs += w_step
             x_ptrs += BLOCK_K
         if not W_IS_A:
             acc = tl.trans(acc)
@@ -407,6 +467,8 @@ if triton is not None:
         EVEN_K: tl.constexpr,
         BF16_RN_BY_BITS: tl.constexpr,
         PERSISTENT: tl.constexpr,
+        TILED: tl.constexpr,
+        EVICT_FIRST: tl.constexpr,
     ):
         pid_b = tl.program_id(1)
         if PERSISTENT:
@@ -416,13 +478,13 @@ if triton is not None:
                                   norms_ptr, out_ptr, block_lo_ptr, block_hi_ptr, num_tokens, num_rows,
                                   num_valid_rows, hidden, stride_x, stride_q, stride_out, stride_block,
                                   acc_err_coef, slack, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A,
-                                  EVEN_K, BF16_RN_BY_BITS)  # fmt: skip
+                                  EVEN_K, BF16_RN_BY_BITS, TILED, EVICT_FIRST)  # fmt: skip
         else:
             _int8_logits_tile(tl.program_id(0), pid_b, x_ptr, q_ptr, scale_ptr, err_max_ptr, err_l2_ptr,
                               bias_ptr, norms_ptr, out_ptr, block_lo_ptr, block_hi_ptr, num_tokens, num_rows,
                               num_valid_rows, hidden, stride_x, stride_q, stride_out, stride_block,
                               acc_err_coef, slack, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A,
-                              EVEN_K, BF16_RN_BY_BITS)  # fmt: skip
+                              EVEN_K, BF16_RN_BY_BITS, TILED, EVICT_FIRST)  # fmt: skip
 
     @triton.jit
     def _exact_rescore_kernel(
@@ -565,11 +627,11 @@ def int8_lm_head_logits(
     if x.dim() != 2:
         raise ValueError(f"hidden states must be 2-D [tokens, hidden], got shape {tuple(x.shape)}")
     num_tokens, hidden = x.shape
-    num_rows = packed.qweight.shape[0]
-    if packed.qweight.shape[1] != hidden or tuple(weight.shape) != tuple(packed.qweight.shape):
+    num_rows = packed.source_shape[0]
+    if packed.source_shape[1] != hidden or tuple(weight.shape) != packed.source_shape:
         raise ValueError(
             f"hidden size {hidden} does not match the lm head weight {tuple(weight.shape)} / int8 copy "
-            f"{tuple(packed.qweight.shape)}"
+            f"of {packed.source_shape}"
         )
     if num_tokens == 0:
         return torch.empty((0, num_rows), dtype=x.dtype, device=x.device)
@@ -586,6 +648,14 @@ def int8_lm_head_logits(
             "before triton is imported"
         )
     cfg = config or select_kernel_config(num_tokens)
+    tiled = packed.tile is not None
+    if tiled and packed.tile != (cfg.block_v, cfg.block_k):
+        raise ValueError(
+            f"int8 weight tiled as {packed.tile} but the kernel config uses (block_v, block_k) = "
+            f"{(cfg.block_v, cfg.block_k)}: quantize with the config's tile"
+        )
+    if cfg.tiled and not tiled:
+        cfg = dataclasses.replace(cfg, tiled=0)
     if on_cpu:
         convert = 2  # the interpreter's fp32 path
     elif cfg.convert == 1 and x.dtype != torch.bfloat16:
@@ -623,7 +693,7 @@ def int8_lm_head_logits(
         num_blocks,
         hidden,
         x.stride(0),
-        packed.qweight.stride(0),
+        packed.qweight.shape[1] if tiled else packed.qweight.stride(0),
         out.stride(0),
         block_lo.stride(0),
         acc_err_coef,
@@ -637,6 +707,8 @@ def int8_lm_head_logits(
         EVEN_K=hidden % cfg.block_k == 0,
         BF16_RN_BY_BITS=round_by_bits,
         PERSISTENT=persistent,
+        TILED=tiled,
+        EVICT_FIRST=bool(cfg.evict_first) and not on_cpu,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -699,7 +771,7 @@ def prepare_int8_lm_head(layer: torch.nn.Module) -> Int8LMHeadWeight | None:
         setattr(layer, LAYER_ATTRIBUTE, None)
         return None
     with torch.no_grad():
-        packed = quantize_lm_head_weight(weight.detach())
+        packed = quantize_lm_head_weight(weight.detach(), tile=weight_tile())
     setattr(layer, LAYER_ATTRIBUTE, packed)
     return packed
 

@@ -78,12 +78,11 @@ def sweep_configs() -> list:
     from sparkfleet.int8_lmhead import KernelConfig
 
     space = []
-    # Earlier sweeps on the H200 (tests/gpu/results) found block_k < 128, W as the dot's A operand and
-    # a persistent grid slower; this space varies what was still close.
-    for block_v, block_k, stages, warps, convert in itertools.product(
-        (128, 256), (128, 256), (3, 4, 2), (4, 8), (1, 0)
-    ):
-        space.append(KernelConfig(block_v, 16, block_k, warps, stages, convert, 0, 0))
+    # The two earlier sweeps on the H200 (tests/gpu/results/int8_lmhead_h200_sweep*.json) settled
+    # x as the dot's A operand, no persistent grid, 4 warps, block_v 128; this one compares the weight
+    # layout (row-major / tiled) and evict-first loads around that (plain int8 -> bf16 cast).
+    for tiled, block_k, stages, evict in itertools.product((1, 0), (256, 128), (3, 4), (1, 0)):
+        space.append(KernelConfig(128, 16, block_k, 4, stages, 0, 0, 0, tiled, evict))
     return space
 
 
@@ -93,9 +92,22 @@ def time_ms(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def run_sweep(weight, x, packed, budget_s: float, log) -> dict:
+def packed_for(weight, cfg, cache: dict):
+    """The int8 weight in the layout ``cfg`` wants (quantized once per layout)."""
+    from sparkfleet.int8_lmhead import quantize_lm_head_weight
+
+    key = (cfg.block_v, cfg.block_k) if cfg.tiled else None
+    if key not in cache:
+        cache.clear()  # one layout at a time on the GPU
+        cache[key] = quantize_lm_head_weight(weight, tile=key)
+    return cache[key]
+
+
+def run_sweep(weight, x, budget_s: float, log) -> dict:
     """Time every config at batch 1 and 16 (block_b 16) and 32 (block_b 32); keep the best per bucket."""
     from sparkfleet.int8_lmhead import int8_lm_head_logits
+
+    cache: dict = {}
 
     records = []
     start = time.monotonic()
@@ -105,10 +117,11 @@ def run_sweep(weight, x, packed, budget_s: float, log) -> dict:
             break
         rec = {"config": dataclasses.asdict(cfg)}
         try:
+            packed = packed_for(weight, cfg, cache)
             for batch in (1, 16, 32):
                 c = cfg if batch <= 16 else dataclasses.replace(cfg, block_b=32)
                 xb = x[:batch]
-                fn = lambda c=c, xb=xb: int8_lm_head_logits(xb, packed, weight, exact_argmax=False, config=c)  # noqa: E731
+                fn = lambda c=c, xb=xb, p=packed: int8_lm_head_logits(xb, p, weight, exact_argmax=False, config=c)  # noqa: E731
                 rec[f"b{batch}_ms"] = time_ms(fn)
         except Exception as exc:  # a config the compiler rejects is recorded, not fatal
             rec["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -116,7 +129,10 @@ def run_sweep(weight, x, packed, budget_s: float, log) -> dict:
         log(f"sweep {len(records)}: {rec}")
     ok = [r for r in records if "error" not in r]
     best16 = min(ok, key=lambda r: r["b1_ms"] + r["b16_ms"])
-    best32 = min(ok, key=lambda r: r["b32_ms"])
+    # Both buckets share one weight layout: bucket 32 picks among the configs with bucket 16's.
+    layout = (best16["config"]["block_v"], best16["config"]["block_k"], best16["config"]["tiled"])
+    same = [r for r in ok if (r["config"]["block_v"], r["config"]["block_k"], r["config"]["tiled"]) == layout]
+    best32 = min(same if best16["config"]["tiled"] else ok, key=lambda r: r["b32_ms"])
     return {"records": records, "best_bucket16": best16, "best_bucket32": best32}
 
 
@@ -228,20 +244,22 @@ def main_bench(args) -> int:
         lines.append(msg)
 
     weight, x = make_problem(args.rows, args.hidden, max(BATCHES), args.seed)
-    t0 = time.monotonic()
-    packed = quantize_lm_head_weight(weight)
-    torch.cuda.synchronize()
-    quantize_s = time.monotonic() - t0
-    log(f"quantized {args.rows}x{args.hidden} in {quantize_s:.2f} s")
     configs = {16: KERNEL_CONFIGS[16], 32: KERNEL_CONFIGS[32]}
     sweep = None
     if args.sweep:
-        sweep = run_sweep(weight, x, packed, args.sweep_seconds, log)
+        sweep = run_sweep(weight, x, args.sweep_seconds, log)
         configs = {
             16: KernelConfig(**sweep["best_bucket16"]["config"]),
             32: dataclasses.replace(KernelConfig(**sweep["best_bucket32"]["config"]), block_b=32),
         }
         log(f"sweep best: {configs}")
+    tile = (configs[16].block_v, configs[16].block_k) if configs[16].tiled else None
+    torch.cuda.synchronize()
+    t0 = time.monotonic()
+    packed = quantize_lm_head_weight(weight, tile=tile)
+    torch.cuda.synchronize()
+    quantize_s = time.monotonic() - t0
+    log(f"quantized {args.rows}x{args.hidden} (tile {tile}) in {quantize_s:.2f} s")
     exactness = check_exactness(weight, x, packed, configs, log)
     bench = run_bench(weight, x, packed, configs, log)
     result = {
@@ -381,14 +399,15 @@ def render_markdown(result: dict, json_path: str) -> str:
             f"{len(sweep['records'])} configs timed at batch 1, 16 (block_b 16) and 32 (block_b 32); "
             f"{failed} failed to compile or run. Ten best by batch 1 + 16:",
             "",
-            "| block_v | block_k | warps | stages | convert | w_is_a | b1 us | b16 us | b32 us |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| block_v | block_k | warps | stages | convert | w_is_a | tiled | evict_first | b1 us | b16 us | b32 us |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in ok[:10]:
             c = r["config"]
             lines.append(
                 f"| {c['block_v']} | {c['block_k']} | {c['num_warps']} | {c['num_stages']} | {c['convert']} "
-                f"| {c['w_is_a']} | {r['b1_ms'] * 1e3:.1f} | {r['b16_ms'] * 1e3:.1f} | {r['b32_ms'] * 1e3:.1f} |"
+                f"| {c['w_is_a']} | {c.get('tiled', 0)} | {c.get('evict_first', 0)} | {r['b1_ms'] * 1e3:.1f} "
+                f"| {r['b16_ms'] * 1e3:.1f} | {r['b32_ms'] * 1e3:.1f} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -26,7 +26,7 @@ FULL_ROWS, FULL_HIDDEN = 248_320, 3_072
 @pytest.mark.parametrize("batch", [1, 2, 13, 16, 32, 40])
 def test_near_ties_full_shape_exact(batch: int) -> None:
     weight, x = near_tie_problem(FULL_ROWS, FULL_HIDDEN, batch, seed=batch, device="cuda")
-    packed = lmhead.quantize_lm_head_weight(weight)
+    packed = lmhead.quantize_lm_head_weight(weight, tile=lmhead.weight_tile())
     exact = lmhead.int8_lm_head_logits(x, packed, weight)
     plain = lmhead.int8_lm_head_logits(x, packed, weight, exact_argmax=False)
     want = bf16_reference_argmax(x, weight)
@@ -37,20 +37,23 @@ def test_near_ties_full_shape_exact(batch: int) -> None:
         assert plain.argmax(-1).tolist() != want.tolist()
 
 
-@pytest.mark.parametrize("convert,w_is_a", [(0, 1), (1, 1), (0, 0), (1, 0)])
+@pytest.mark.parametrize(
+    "convert,w_is_a,tiled,evict",
+    [(0, 1, 0, 0), (1, 1, 0, 0), (0, 0, 0, 0), (1, 0, 0, 0), (0, 0, 1, 0), (1, 0, 1, 1), (0, 0, 0, 1)],
+)
 @pytest.mark.parametrize("batch", [1, 7, 32])
-def test_every_kernel_variant_matches_float64(convert: int, w_is_a: int, batch: int) -> None:
+def test_every_kernel_variant_matches_float64(convert: int, w_is_a: int, tiled: int, evict: int, batch: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(batch)
     rows, hidden = 50_000 + 37, 3_072
     weight = (torch.randn(rows, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     x = torch.randn(batch, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-    packed = lmhead.quantize_lm_head_weight(weight)
     base = lmhead.select_kernel_config(batch)
-    cfg = dataclasses.replace(base, convert=convert, w_is_a=w_is_a)
+    cfg = dataclasses.replace(base, convert=convert, w_is_a=w_is_a, tiled=tiled, evict_first=evict)
+    packed = lmhead.quantize_lm_head_weight(weight, tile=(cfg.block_v, cfg.block_k) if tiled else None)
     out = torch.full((batch, rows), float("nan"), device="cuda")
     out = lmhead.int8_lm_head_logits(x, packed, weight, exact_argmax=False, config=cfg)
     assert not torch.isnan(out).any()
-    dequant = packed.qweight.double() * packed.scale.double()[:, None]
+    dequant = packed.rows().double() * packed.scale.double()[:, None]
     want = x.double() @ dequant.T
     rel = (out.double() - want).norm() / want.norm()
     assert rel < 4e-3  # bf16 output rounding
@@ -68,7 +71,7 @@ def test_bias_and_odd_hidden() -> None:
     weight = (torch.randn(rows, hidden, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
     bias = torch.randn(rows, device="cuda", generator=gen).to(torch.bfloat16)
     x = torch.randn(5, hidden, device="cuda", generator=gen).to(torch.bfloat16)
-    packed = lmhead.quantize_lm_head_weight(weight)
+    packed = lmhead.quantize_lm_head_weight(weight, tile=lmhead.weight_tile())
     out = lmhead.int8_lm_head_logits(x, packed, weight, bias)
     want = (x.double() @ weight.double().T + bias.double()).to(torch.bfloat16).argmax(-1)
     assert out.argmax(-1).tolist() == want.tolist()

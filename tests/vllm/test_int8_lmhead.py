@@ -95,18 +95,33 @@ def test_quantization_bounds_hold() -> None:
     weight = (torch.randn(300, 70, generator=gen) * 0.03).to(torch.bfloat16)
     weight[5] = 0  # an all-zero row must not divide by zero
     packed = int8_lmhead.quantize_lm_head_weight(weight, chunk_rows=64)
-    q = packed.qweight.double()
+    q = packed.rows().double()
     assert packed.qweight.dtype == torch.int8 and int(q.abs().max()) <= 127
     assert int(q.abs().amax(dim=1)[torch.arange(300) != 5].min()) == 127  # each row uses its full range
     err = weight.double() - q * packed.scale.double()[:, None]
     assert bool((err.abs().amax(dim=1) <= packed.err_max.double()).all())
     assert bool((err.norm(dim=1) <= packed.err_l2.double()).all())
     assert bool((packed.err_max.double() <= packed.scale.double() * 0.5 * (1 + 1e-6)).all())
-    assert float(packed.err_l2[5]) == 0.0 and int(packed.qweight[5].abs().sum()) == 0
+    assert float(packed.err_l2[5]) == 0.0 and int(packed.rows()[5].abs().sum()) == 0
     x = torch.randn(4, 70, generator=gen).to(torch.bfloat16)
     exact = x.double() @ weight.double().T
     dequant = x.double() @ (q * packed.scale.double()[:, None]).T
     assert bool(((dequant - exact).abs() <= int8_lmhead.int8_logit_error_bound(x, packed)).all())
+
+
+def test_tiled_layout_holds_the_same_codes() -> None:
+    import torch
+
+    from sparkfleet import int8_lmhead
+
+    weight = (torch.randn(300, 70, generator=torch.Generator().manual_seed(4)) * 0.03).to(torch.bfloat16)
+    plain = int8_lmhead.quantize_lm_head_weight(weight, chunk_rows=100)
+    tiled = int8_lmhead.quantize_lm_head_weight(weight, chunk_rows=100, tile=(64, 32))
+    assert tuple(tiled.qweight.shape) == (5, 3, 64, 32)  # 300 rows -> 5 blocks, 70 columns -> 3 tiles
+    assert torch.equal(tiled.rows(), plain.qweight)
+    assert torch.equal(tiled.scale, plain.scale) and torch.equal(tiled.err_l2, plain.err_l2)
+    assert int(tiled.qweight[4, :, 300 - 256 :].abs().sum()) == 0  # padding rows are zero
+    assert int(tiled.qweight[:, 2, :, 70 - 64 :].abs().sum()) == 0  # padding columns are zero
 
 
 def test_bad_inputs_are_named() -> None:
@@ -120,6 +135,8 @@ def test_bad_inputs_are_named() -> None:
     assert not int8_lmhead.int8_lmhead_enabled({})
     with pytest.raises(ValueError, match=r"must be 2-D.*\(3,\)"):
         int8_lmhead.quantize_lm_head_weight(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"tile=\(0, 32\) must be two positive sizes"):
+        int8_lmhead.quantize_lm_head_weight(torch.zeros(4, 4), tile=(0, 32))
     with pytest.raises(ValueError, match="exceeds the largest bucket 64"):
         int8_lmhead.select_kernel_config(65)
     assert int8_lmhead.select_kernel_config(1).block_b == 16
@@ -280,6 +297,7 @@ def _kernel_cases(int8_lmhead: Any) -> list[dict[str, Any]]:
     configs = {
         "x_as_a": int8_lmhead.KernelConfig(256, 16, 64, 4, 1, 0, 0),  # hidden > block_k: a K loop
         "w_as_a": int8_lmhead.KernelConfig(128, 16, 128, 4, 1, 0, 1),
+        "tiled": int8_lmhead.KernelConfig(128, 16, 64, 4, 1, 0, 0, tiled=1),
     }
     for name, rows, hidden, batch, cfg_name, with_bias in (
         ("near_ties_b5", 800, 96, 5, "x_as_a", False),
@@ -287,13 +305,14 @@ def _kernel_cases(int8_lmhead: Any) -> list[dict[str, Any]]:
         ("near_ties_b17_odd_hidden", 2100, 100, 17, "x_as_a", False),
         ("near_ties_b3_bias", 500, 64, 3, "w_as_a", True),
         ("near_ties_b1", 300, 64, 1, "x_as_a", False),
+        ("near_ties_b4_tiled_odd_hidden", 700, 100, 4, "tiled", False),
     ):
         weight, x = near_tie_problem(rows, hidden, batch, seed=rows + batch)
         bias = None
         if with_bias:
             bias = (torch.randn(rows, generator=torch.Generator().manual_seed(1)) * 0.01).to(torch.bfloat16)
-        packed = int8_lmhead.quantize_lm_head_weight(weight)
         cfg = configs[cfg_name]
+        packed = int8_lmhead.quantize_lm_head_weight(weight, tile=(cfg.block_v, cfg.block_k) if cfg.tiled else None)
         exact = int8_lmhead.int8_lm_head_logits(x, packed, weight, bias, config=cfg)
         plain = int8_lmhead.int8_lm_head_logits(x, packed, weight, bias, exact_argmax=False, config=cfg)
         # fp32 activations: the kernel's own int8 logits, unrounded, against the bound.
