@@ -542,7 +542,8 @@ def _plan(
 
     padding_pct = 0.0
     if mamba_page:
-        padding_pct = 100 * (specs[1].page_size_bytes - mamba_page) / mamba_page
+        mamba_spec = next(spec for spec in specs if spec.kind == "mamba")
+        padding_pct = 100 * (mamba_spec.page_size_bytes - mamba_page) / mamba_page
     drafter_desc = _describe_drafter(drafter, drafter_bpt, attn_bpt) if drafter else "no drafter"
     version = "patched" if patched else "stock"
     if failure is not None:
@@ -561,7 +562,8 @@ def _plan(
             failure_stage=failure.stage,
         )
     common_page = specs[0].page_size_bytes
-    drafter_block = specs[2].block_size if drafter else None
+    drafter_spec = next((spec for spec in specs if spec.name == "drafter attention"), None)
+    drafter_block = drafter_spec.block_size if drafter_spec is not None else None
     detail = f"attention block {specs[0].block_size}"
     if drafter_block is not None:
         detail += f", drafter block {drafter_block}"

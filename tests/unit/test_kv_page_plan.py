@@ -217,3 +217,25 @@ def test_planner_imports_neither_vllm_nor_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_plain_attention_target_with_a_drafter(old_drafter: dict) -> None:
+    """A non-hybrid target (no GDN layers, like the sandbox's tiny Qwen3) has no mamba page:
+    target and drafter attention share one page when their bytes per token agree."""
+    plain = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "vocab_size": 512,
+        "torch_dtype": "bfloat16",
+    }
+    drafter = copy.deepcopy(old_drafter)
+    drafter.update({"num_key_value_heads": 1, "head_dim": 64, "hidden_size": 128, "num_attention_heads": 2})
+    result = plan(plain, drafter, 12, patched=True, platform="cpu")
+    assert result.ok, result.reason
+    assert result.mamba_page_size_bytes is None and result.padding_pct == 0
+    assert result.drafter_block_size == result.attention_block_size
