@@ -111,9 +111,9 @@ class KernelConfig:
 # Chosen from the autotune sweep in tests/gpu/bench_int8_lmhead.py (tests/gpu/results/*.json) on an
 # H200; keyed by the largest batch of the bucket.
 KERNEL_CONFIGS: dict[int, KernelConfig] = {
-    16: KernelConfig(block_v=128, block_b=16, block_k=256, num_warps=4, num_stages=3, convert=0, w_is_a=0),
-    32: KernelConfig(block_v=128, block_b=32, block_k=256, num_warps=4, num_stages=3, convert=0, w_is_a=0),
-    64: KernelConfig(block_v=128, block_b=64, block_k=256, num_warps=4, num_stages=3, convert=0, w_is_a=0),
+    16: KernelConfig(128, 16, 128, num_warps=4, num_stages=3, convert=0, w_is_a=0, tiled=1, evict_first=1),
+    32: KernelConfig(128, 32, 128, num_warps=4, num_stages=3, convert=0, w_is_a=0, tiled=1, evict_first=1),
+    64: KernelConfig(128, 64, 128, num_warps=4, num_stages=3, convert=0, w_is_a=0, tiled=1, evict_first=1),
 }
 
 
