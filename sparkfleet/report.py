@@ -139,7 +139,8 @@ def decode_section(report: ReportWriter, result: dict[str, Any], key: str) -> No
     per_request = result["details"].get("tpot_agreement_per_request") or {}
     report.add(
         "",
-        f"All requests: median {fmt(result['figures'].get('decode_tok_s_median'))} tok/s; client TPOT "
+        f"All requests: median {fmt(result['figures'].get('decode_tok_s_median'))} tok/s "
+        f"(server-side {fmt(result['figures'].get('server_decode_tok_s_median'))}); client TPOT "
         f"{fmt(overall.get('client_tpot_s'))} s vs server {fmt(overall.get('server_tpot_s'))} s "
         f"({pct(overall.get('relative_difference'))}, server figure from "
         "vllm:request_decode_time_seconds and vllm:generation_tokens_total over the same window). "

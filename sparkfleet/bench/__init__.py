@@ -28,6 +28,8 @@ from sparkfleet.bench.http_client import BenchHTTPError, OpenAIServer
 from sparkfleet.bench.workloads import DECODE_WORKLOADS, E2E_WORKLOAD, SHAREGPT_DATASET, WorkloadError
 
 SNAPSHOT_REVISION = re.compile(r"/snapshots/([0-9a-f]{40})(?:/|$)")
+# below this share of requests agreeing with the server within 5%, the run prints a warning
+TRUSTED_AGREEMENT_SHARE = 0.75
 PATCHSET_LINE = re.compile(r"^PATCHSET_ID = ['\"]([^'\"]+)['\"]", re.MULTILINE)
 
 
@@ -138,6 +140,14 @@ def _finish(result: dict[str, Any], args: argparse.Namespace) -> int:
     out = Path(args.out)
     path = out if out.suffix == ".json" else out / res.default_result_name(result)
     res.write_result(result, path)
+    share = result["figures"].get("tpot_within_5pct_share")
+    if share is not None and share < TRUSTED_AGREEMENT_SHARE:
+        print(
+            f"warning: client TPOT is within 5% of the server's for only {share:.0%} of requests: the host "
+            "delayed delivery (overloaded?), so client-side timing is unreliable here; compare "
+            "server_decode_tok_s_median",
+            file=sys.stderr,
+        )
     shown = {k: v for k, v in result["figures"].items() if "[" not in k and v is not None}
     summary = ", ".join(f"{k} {v:.4g}" for k, v in sorted(shown.items()))
     print(f"{result['kind']} on {result['host']}: {summary}; wrote {path}")

@@ -169,6 +169,7 @@ def run_workload(
             for rid, c, a in zip(ids, completions, per_request_agreement, strict=True)
         ],
         "_rates": rates,
+        "_server_rates": server_rates,
         "_completions": completions,
         "_after": after,
     }
@@ -220,6 +221,7 @@ def run_decode_bench(
     figures: dict[str, Any] = {}
     details: dict[str, Any] = {"workloads": []}
     all_rates: list[float] = []
+    all_server_rates: list[float] = []
     all_completions: list[StreamedCompletion] = []
     server_windows: list[prom.ServerTpotWindow] = []
     with CpuMeter() as cpu:
@@ -227,6 +229,7 @@ def run_decode_bench(
             outcome = run_workload(server, model, workload, snapshot, repeats=repeats, progress=progress, extra=extra)
             snapshot = outcome.pop("_after")
             rates = outcome.pop("_rates")
+            all_server_rates.extend(outcome.pop("_server_rates"))
             completions = outcome.pop("_completions")
             all_rates.extend(rates)
             all_completions.extend(completions)
@@ -252,6 +255,8 @@ def run_decode_bench(
                     flush=True,
                 )
     figures["decode_tok_s_median"] = statistics.median(all_rates) if all_rates else None
+    # the same figure from the server's own per-request decode times: the cross-check
+    figures["server_decode_tok_s_median"] = statistics.median(all_server_rates) if all_server_rates else None
     overall = tpot_agreement(all_completions, _sum_windows(server_windows))
     details["tpot_agreement"] = overall.as_dict()
     per_request = [r for w in details["workloads"] for r in w["per_request"]]

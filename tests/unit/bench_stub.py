@@ -30,9 +30,11 @@ class StubState:
         first_run_extra_s: float,
         record_delay_s: float,
         merge_first: int,
+        burst: bool = False,
     ) -> None:
         self.lock = threading.Lock()
         self.merge_first = merge_first
+        self.burst = burst
         self.token_gap_s = token_gap_s
         self.prefill_s = prefill_s
         self.accepted_per_step = accepted_per_step
@@ -187,6 +189,15 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
             # token 1 is ready now (vLLM's first_token_ts); like a lagging API server, the stub
             # may hold it back and send the first merge_first tokens together in one chunk
             token_times = [time.perf_counter()]
+            if state.burst:  # a stalled API server: tokens generated on time, delivered at the end in a burst
+                for _ in range(tokens - 1):
+                    time.sleep(state.token_gap_s)
+                    token_times.append(time.perf_counter())
+                send(None, 0)
+                for index in range(tokens):
+                    send("t", index + 1, "length" if index == tokens - 1 else None)
+                self._finish(tokens, token_times)
+                return
             merged = min(state.merge_first, tokens)
             for _ in range(merged - 1):
                 time.sleep(state.token_gap_s)
@@ -197,6 +208,9 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
                 time.sleep(state.token_gap_s)
                 token_times.append(time.perf_counter())
                 send("t", index + 1, "length" if index == tokens - 1 else None)
+            self._finish(tokens, token_times)
+
+        def _finish(self, tokens: int, token_times: list[float]) -> None:
             usage = {"prompt_tokens": 5, "completion_tokens": tokens}
             self._chunk(json.dumps({"choices": [], "usage": usage}))
             self._chunk("[DONE]")
@@ -225,6 +239,7 @@ class StubServer:
         first_run_extra_s: float = 0.0,
         record_delay_s: float = 0.05,
         merge_first: int = 1,
+        burst: bool = False,
     ) -> None:
         self.state = StubState(
             token_gap_s,
@@ -234,6 +249,7 @@ class StubServer:
             first_run_extra_s,
             record_delay_s,
             merge_first,
+            burst=burst,
         )
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(self.state))
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

@@ -130,6 +130,32 @@ def test_per_request_agreement_summary_counts_outliers() -> None:
     assert summarize_request_agreement([])["median_relative_difference"] is None
 
 
+def test_burst_delivery_is_caught_by_the_server_cross_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # a stalled API server: tokens generated on time, all chunks delivered at the end at once
+    workload_file = tmp_path / "w.json"
+    requests = [{"id": f"r{i}", "messages": [{"role": "user", "content": str(i)}], "max_tokens": 21} for i in range(3)]
+    workload_file.write_text(json.dumps({"name": "w", "requests": requests}))
+    with StubServer(token_gap_s=0.004, prefill_s=0.01, burst=True) as stub:
+        code = bench_main(
+            [
+                "decode",
+                "--base-url",
+                stub.base_url,
+                "--workloads",
+                str(workload_file),
+                "--quiet",
+                "--out",
+                str(tmp_path / "r.json"),
+            ]
+        )
+    assert code == 0
+    figures = res.load_result(tmp_path / "r.json")["figures"]
+    assert figures["tpot_within_5pct_share"] == 0.0
+    assert figures["tpot_relative_difference_median"] < -0.5  # the collapsed windows read far too fast
+    assert figures["server_decode_tok_s_median"] == pytest.approx(1 / 0.004, rel=0.35)
+    assert "client-side timing is unreliable here" in capsys.readouterr().err
+
+
 def test_decode_flags_foreign_traffic_in_the_window() -> None:
     with StubServer(token_gap_s=GAP_S, prefill_s=0.01) as stub:
         stub.state.extra_requests = 1
