@@ -46,9 +46,9 @@ to, not equal to, the bf16 ones; the recomputed top of the distribution is exact
 Enabling
 --------
 The patched vLLM replaces the lm head's ``UnquantizedEmbeddingMethod`` by an int8 one only when
-``SPARKFLEET_INT8_LMHEAD=1`` (the ``dense`` profile sets it; other profiles are untouched). The
-variable is not ``VLLM_``-prefixed because vLLM warns about (or, strictly configured, rejects)
-``VLLM_*`` variables it does not know. The int8 path runs on CUDA, and on CPU tensors only under the
+``VLLM_SPARKFLEET_INT8_LMHEAD=1`` (the ``dense`` profile sets it; other profiles are untouched; the
+patch also registers the name in ``vllm/envs.py``, which warns about ``VLLM_*`` variables it does
+not know). The int8 path runs on CUDA, and on CPU tensors only under the
 Triton interpreter (``TRITON_INTERPRET=1``, for tests); elsewhere, and for batches above
 ``INT8_LMHEAD_MAX_BATCH`` tokens, the bf16 matmul runs as before.
 """
@@ -69,7 +69,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
     tl = None
 
-INT8_LMHEAD_ENV = "SPARKFLEET_INT8_LMHEAD"
+INT8_LMHEAD_ENV = "VLLM_SPARKFLEET_INT8_LMHEAD"
 # Largest number of tokens whose logits go through the int8 kernel in one call. Decode and
 # speculative verify (n=12 drafts + 1, times --max-num-seqs 3) stay below it; larger batches (prefill
 # with prompt logprobs) are compute-bound and keep the bf16 GEMM.
@@ -118,7 +118,7 @@ KERNEL_CONFIGS: dict[int, KernelConfig] = {
 
 
 def int8_lmhead_enabled(environ: dict[str, str] | None = None) -> bool:
-    """Whether ``SPARKFLEET_INT8_LMHEAD`` asks for the int8 lm head; a bad value raises."""
+    """Whether ``VLLM_SPARKFLEET_INT8_LMHEAD`` asks for the int8 lm head; a bad value raises."""
     value = (os.environ if environ is None else environ).get(INT8_LMHEAD_ENV, "0").strip()
     if value not in ("0", "1", ""):
         raise ValueError(f"{INT8_LMHEAD_ENV}={value!r} is not understood: set it to 1 (int8 lm head) or 0")

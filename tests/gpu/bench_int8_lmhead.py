@@ -290,7 +290,7 @@ def render_markdown(result: dict, json_path: str) -> str:
     lines = [
         "# int8 lm head",
         "",
-        "`SPARKFLEET_INT8_LMHEAD=1` (the `dense` profile) makes the patched vLLM (patch 0003) compute the",
+        "`VLLM_SPARKFLEET_INT8_LMHEAD=1` (the `dense` profile) makes the patched vLLM (patch 0003) compute the",
         "lm head's logits from a per-row int8 copy of its weight (w8a16: int8 weight, bf16 activations,",
         "fp32 accumulation), keeping the bf16 weight for the drafter's shared lm head and the embedding.",
         "Code: `sparkfleet/int8_lmhead.py`, shipped byte-identical as",
