@@ -11,9 +11,11 @@ The vocab projection of Qwen3.5-122B-A10B (248,320 x 3,072, 1.5 GB in bf16) is t
 of every decode step. ``quantize_lm_head_weight`` keeps a per-row symmetric int8 copy of it
 (``q = round(w / s)``, ``s = max|w| / 127``) next to the bf16 weight, which stays in place because the
 DFlash drafter shares the target's ``lm_head`` module and compares its ``.weight``.
-``int8_lm_head_logits`` then computes the logits of a batch of 1..32 hidden states with one Triton
-kernel that streams the int8 weight once (half the bytes of the bf16 GEMM) and a second, small kernel
-that makes the greedy choice exact.
+``int8_lm_head_logits`` then computes the logits of a batch of 1..64 hidden states with one Triton
+kernel that streams the int8 weight once (half the bytes of the bf16 GEMM; stored in the kernel's tile
+order so each program reads one contiguous run) and a second, small kernel that makes the greedy
+choice exact. The kernel configs were chosen by sweeps on an H200 (tests/gpu/results); the Spark's
+GB10 (sm_121, 273 GB/s) has not been measured: re-run the sweep there.
 
 The exactness guarantee
 -----------------------
