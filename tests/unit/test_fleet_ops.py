@@ -1,0 +1,547 @@
+"""sparkfleet ops without a fleet: inventory parsing, host-key policy, the host probe, status lines, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import paramiko
+import pytest
+
+from sparkfleet import cli, fleet_ops
+from sparkfleet.fleet_ops import FleetHost, HostOutcome, OpsError
+
+ROOT = Path(__file__).resolve().parents[2]
+SANDBOX_ARGS = (
+    "-o UserKnownHostsFile=/srv/fleet/ssh/known_hosts -o StrictHostKeyChecking=yes -o IdentitiesOnly=yes "
+    "-o ControlMaster=auto -o ControlPersist=60s"
+)
+SANDBOX_VARS = {
+    "ansible_host": "10.213.0.11",
+    "ansible_user": "root",
+    "ansible_ssh_private_key_file": "/srv/fleet/ssh/id_ed25519",
+    "ansible_ssh_common_args": SANDBOX_ARGS,
+    "ansible_python_interpreter": "/usr/bin/python3",
+    "sparkfleet_profile": "dflash",
+    "sparkfleet_api_port": 8000,
+}
+
+
+def sandbox_host(name: str = "spark-01", **overrides: Any) -> FleetHost:
+    return fleet_ops.fleet_host_from_vars(name, {**SANDBOX_VARS, **overrides})
+
+
+# ------------------------------------------------------------------------------------- inventory
+
+
+def test_parse_ssh_args_reads_options_in_every_spelling() -> None:
+    options = fleet_ops.parse_ssh_args(
+        "-o UserKnownHostsFile=/k/known -oStrictHostKeyChecking=accept-new -o 'ConnectTimeout 5' "
+        "-i /k/one -i/k/two -p 2222 -l ops"
+    )
+    assert options["userknownhostsfile"] == "/k/known"
+    assert options["stricthostkeychecking"] == "accept-new"
+    assert options["connecttimeout"] == "5"
+    assert options["identityfile"] == "/k/one\n/k/two"
+    assert options["port"] == "2222"
+    assert options["user"] == "ops"
+
+
+def test_parse_ssh_args_refuses_what_does_not_parse() -> None:
+    with pytest.raises(OpsError, match="do not parse"):
+        fleet_ops.parse_ssh_args("-o 'UserKnownHostsFile=/unterminated")
+    with pytest.raises(OpsError, match="-o needs a value"):
+        fleet_ops.parse_ssh_args("-o")
+
+
+def test_sandbox_host_vars_give_strict_host_keys_and_the_inventory_key() -> None:
+    host = sandbox_host()
+    assert host.ssh.address == "10.213.0.11"
+    assert host.ssh.port == 22
+    assert host.ssh.user == "root"
+    assert host.ssh.key_files == ("/srv/fleet/ssh/id_ed25519",)
+    assert host.ssh.known_hosts_files == ("/srv/fleet/ssh/known_hosts",)
+    assert host.ssh.strict_host_key_checking == "yes"
+    assert host.ssh.identities_only is True
+    assert host.become is False
+    assert host.fallback_unit == "sparkfleet-vllm-dflash.service"
+    assert (host.config_dir, host.state_dir, host.root) == ("/etc/sparkfleet", "/var/lib/sparkfleet", "/opt/sparkfleet")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"sparkfleet_api_port": "{{ port_of_the_day }}"}, "sparkfleet_api_port is a template"),
+        ({"sparkfleet_api_port": 70000}, "sparkfleet_api_port = 70000 is not a TCP port"),
+        ({"ansible_port": "ssh"}, "ansible_port = 'ssh' is not a TCP port"),
+        ({"ansible_ssh_common_args": "-o ProxyJump=bastion"}, "ProxyJump"),
+        ({"ansible_ssh_common_args": "-o StrictHostKeyChecking=maybe"}, "StrictHostKeyChecking='maybe'"),
+    ],
+)
+def test_bad_host_vars_are_refused_with_the_value_and_the_fix(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(OpsError, match=message) as error:
+        sandbox_host("spark-09", **overrides)
+    assert str(error.value).startswith("spark-09")
+
+
+def test_group_hosts_follows_child_groups_once() -> None:
+    data = {
+        "all": {"children": ["spark", "ungrouped"]},
+        "spark": {"hosts": ["a"], "children": ["east", "west"]},
+        "east": {"hosts": ["b", "a"], "children": ["spark"]},
+        "west": {"hosts": ["c"]},
+    }
+    assert fleet_ops.group_hosts(data, "spark") == ["a", "b", "c"]
+    assert fleet_ops.group_hosts(data, "nothing") == []
+
+
+def test_load_fleet_reads_the_example_inventory_through_ansible_inventory() -> None:
+    hosts = fleet_ops.load_fleet(str(ROOT / "inventory/example"), None)
+    assert [h.name for h in hosts] == ["spark-a1", "spark-a2", "spark-a3"]
+    by_name = {h.name: h for h in hosts}
+    assert by_name["spark-a3"].profile == "dense"
+    assert by_name["spark-a1"].profile == "dflash"
+    assert by_name["spark-a1"].ssh.user == "sparkops"
+    assert by_name["spark-a1"].become is True
+    assert by_name["spark-a1"].ssh.strict_host_key_checking == "yes"
+    assert fleet_ops.privileged(by_name["spark-a1"], "cat /etc/x") == "sudo -n sh -c 'cat /etc/x'"
+
+    limited = fleet_ops.load_fleet(str(ROOT / "inventory/example"), "spark-a2")
+    assert [h.name for h in limited] == ["spark-a2"]
+    with pytest.raises(OpsError, match="no host of 'spark'"):
+        fleet_ops.load_fleet(str(ROOT / "inventory/example"), "spark-zz")
+    with pytest.raises(OpsError, match="does not exist"):
+        fleet_ops.load_fleet(str(ROOT / "inventory/nowhere"), None)
+
+
+# ------------------------------------------------------------------------------------ connections
+
+
+def test_connection_rejects_unknown_host_keys_and_loads_the_inventory_known_hosts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an operator's ~/.ssh/config must not redirect ops (the inventory is the only source)
+    (tmp_path / "home" / ".ssh").mkdir(parents=True)
+    (tmp_path / "home" / ".ssh" / "config").write_text("Host *\n  User intruder\n  Port 2200\n")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    known_hosts = tmp_path / "known_hosts"
+    # a syntactically valid ed25519 host key line (the key itself need not belong to anyone)
+    known_hosts.write_text(
+        "10.213.0.11,spark-01 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHn8WKRjAeyH+OchccPeboyhzVuvG5O3OA6IGzfxyIbP\n"
+    )
+    args = f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes -o IdentitiesOnly=yes"
+    connection = fleet_ops.open_connection(sandbox_host(ansible_ssh_common_args=args))
+    try:
+        client = connection.client
+        assert isinstance(client._policy, paramiko.RejectPolicy)
+        assert client.get_host_keys().lookup("10.213.0.11") is not None
+        assert connection.connect_kwargs["key_filename"] == ["/srv/fleet/ssh/id_ed25519"]
+        assert connection.connect_kwargs["allow_agent"] is False
+        assert (connection.user, connection.port) == ("root", 22), "no ~/.ssh/config is read"
+        assert "user" not in connection.ssh_config
+    finally:
+        connection.close()
+    relaxed = fleet_ops.open_connection(sandbox_host(ansible_ssh_common_args="-o StrictHostKeyChecking=accept-new"))
+    assert isinstance(relaxed.client._policy, paramiko.AutoAddPolicy)
+    relaxed.close()
+
+
+def test_describe_exception_gives_one_line_per_failure_kind() -> None:
+    host = sandbox_host()
+    missing = paramiko.SSHException("Server '10.213.0.11' not found in known_hosts")
+    assert "is not in /srv/fleet/ssh/known_hosts" in fleet_ops.describe_exception(missing, host)
+    changed = paramiko.BadHostKeyException("10.213.0.11", _key(), _key())
+    assert "CHANGED" in fleet_ops.describe_exception(changed, host)
+    refused = ConnectionRefusedError(111, "Connection refused")
+    assert fleet_ops.describe_exception(refused, host) == "ssh to 10.213.0.11:22 failed: Connection refused"
+    assert "\n" not in fleet_ops.describe_exception(RuntimeError("two\nlines"), host)
+
+
+def _key() -> paramiko.PKey:
+    return paramiko.RSAKey.generate(1024)
+
+
+@dataclass
+class FakeResult:
+    stdout: str
+    stderr: str = ""
+    exited: int = 0
+
+
+class FakeConnection:
+    """Answers the probe with a canned report; records every command."""
+
+    def __init__(self, probe: dict[str, Any] | None, fail: int = 0) -> None:
+        self.probe = probe
+        self.fail = fail
+        self.commands: list[str] = []
+        self.closed = False
+
+    def run(self, command: str, **_kwargs: Any) -> FakeResult:
+        self.commands.append(command)
+        if self.fail:
+            return FakeResult("", "sudo: a password is required", self.fail)
+        if "state.json" in command:
+            return FakeResult(json.dumps(self.probe))
+        return FakeResult("")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_run_on_hosts_runs_in_parallel_keeps_order_and_contains_errors() -> None:
+    hosts = [sandbox_host(f"spark-0{i}") for i in (1, 2, 3)]
+
+    def slow(host: FleetHost, _connection: Any) -> HostOutcome:
+        time.sleep(0.5)
+        if host.name == "spark-02":
+            raise paramiko.AuthenticationException("Authentication failed.")
+        return HostOutcome(host.name, True, "fine")
+
+    connections: list[FakeConnection] = []
+
+    def connect(_host: FleetHost) -> FakeConnection:
+        connections.append(FakeConnection(None))
+        return connections[-1]
+
+    started = time.monotonic()
+    outcomes = fleet_ops.run_on_hosts(hosts, slow, forks=16, connect=connect)
+    elapsed = time.monotonic() - started
+    assert elapsed < 1.2, f"3 hosts of 0.5 s each took {elapsed:.2f} s: not parallel"
+    assert [o.host for o in outcomes] == ["spark-01", "spark-02", "spark-03"]
+    assert [o.ok for o in outcomes] == [True, False, True]
+    assert outcomes[1].line == "error: ssh authentication as root at 10.213.0.11:22 failed (Authentication failed.)"
+    assert all(c.closed for c in connections)
+
+    started = time.monotonic()
+    fleet_ops.run_on_hosts(hosts, slow, forks=1, connect=connect)
+    assert time.monotonic() - started >= 1.5, "--forks 1 runs one host at a time"
+
+
+def test_run_in_batches_stops_after_a_failed_batch() -> None:
+    hosts = [sandbox_host(f"spark-0{i}") for i in (1, 2, 3)]
+    seen: list[str] = []
+
+    def restart(host: FleetHost, _connection: Any) -> HostOutcome:
+        seen.append(host.name)
+        return HostOutcome(host.name, host.name != "spark-01", "x")
+
+    outcomes = fleet_ops.run_in_batches(hosts, restart, batch=1, forks=4, connect=lambda h: FakeConnection(None))
+    assert seen == ["spark-01"]
+    assert [o.line for o in outcomes[1:]] == ["skipped: an earlier batch failed"] * 2
+    seen.clear()
+    fleet_ops.run_in_batches(hosts, restart, batch=0, forks=4, connect=lambda h: FakeConnection(None))
+    assert sorted(seen) == ["spark-01", "spark-02", "spark-03"]
+
+
+# ------------------------------------------------------------------------------- the host probe
+
+
+class FakeServer(BaseHTTPRequestHandler):
+    models = ["qwen"]
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/health":
+            body = b""
+        elif self.path == "/v1/models":
+            body = json.dumps({"data": [{"id": m} for m in self.models]}).encode()
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_args: Any) -> None:
+        return
+
+
+@pytest.fixture
+def fake_api() -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+STATE = {
+    "profile": "dflash",
+    "unit": "sparkfleet-vllm-dflash.service",
+    "vllm_version": "0.23.0+sf1abc.cpu",
+    "patchset_id": "sf1-3a9c0d1e",
+    "venv": "/opt/sparkfleet/venvs/vllm-0.23.0+sf1abc.cpu",
+    "model_path": "/var/lib/sparkfleet/models/intel-int4",
+    "drafter_path": "/var/lib/sparkfleet/models/dflash-drafter",
+    "model_revisions": {
+        "intel-int4": "0123456789abcdef0123456789abcdef01234567",
+        "dflash-drafter": "6c7242c934a9870d7c59c05240bdbb2467cc1394",
+    },
+    "served_model_name": "qwen",
+    "host": "127.0.0.1",
+}
+
+
+def run_probe_locally(tmp_path: Path, port: int, state: dict[str, Any] | None, bench: Any = None) -> dict[str, Any]:
+    """PROBE_SCRIPT as a host runs it: this machine's python3, argv as ops passes it."""
+    config_dir, state_dir = tmp_path / "etc", tmp_path / "var"
+    (state_dir / "bench").mkdir(parents=True)
+    config_dir.mkdir()
+    if state is not None:
+        (config_dir / "state.json").write_text(json.dumps({**state, "port": port}))
+    if bench is not None:
+        (state_dir / "bench" / "latest.json").write_text(bench if isinstance(bench, str) else json.dumps(bench))
+    python = shutil.which("python3") or sys.executable
+    proc = subprocess.run(
+        [python, "-c", fleet_ops.PROBE_SCRIPT, str(config_dir), str(state_dir), "sparkfleet-vllm-x.service", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={**os.environ, "http_proxy": "http://127.0.0.1:9", "no_proxy": ""},  # the probe must bypass proxies
+    )
+    return json.loads(proc.stdout)
+
+
+def test_probe_reads_state_health_models_and_last_bench(tmp_path: Path, fake_api: int) -> None:
+    bench = {"kind": "decode", "profile": "dflash", "figures": {"decode_tok_s_median": 81.23, "e2e_tok_s": 50}}
+    probe = run_probe_locally(tmp_path, fake_api, STATE, bench)
+    assert probe["state"]["patchset_id"] == "sf1-3a9c0d1e"
+    assert probe["unit_name"] == "sparkfleet-vllm-dflash.service"
+    assert probe["health"]["status"] == 200
+    assert probe["base_url"] == f"http://127.0.0.1:{fake_api}"
+    # this controller has no systemd as PID 1: give the row a loaded, active unit as a host would report
+    probe["unit"] = {"LoadState": "loaded", "ActiveState": "active", "SubState": "running"}
+    ok, row, problems = fleet_ops.status_row(sandbox_host(), probe)
+    assert (ok, problems) == (True, [])
+    assert row == {
+        "host": "spark-01",
+        "profile": "dflash",
+        "unit": "active/running",
+        "health": "ok",
+        "patch_set": "sf1-3a9c0d1e",
+        "model": "intel-int4@0123456789ab",
+        "drafter": "dflash-drafter@6c7242c934a9",
+        "bench_tok_s": "81.2 decode",
+    }
+
+
+def test_probe_of_an_undeployed_host_says_so(tmp_path: Path) -> None:
+    probe = run_probe_locally(tmp_path, 9, None)  # port 9 (discard): nothing listens
+    assert probe["state"] is None
+    assert probe["unit_name"] == "sparkfleet-vllm-x.service"
+    assert probe["health"]["status"] is None
+    probe["unit"] = {"LoadState": "not-found", "ActiveState": "inactive", "SubState": "dead"}
+    ok, row, problems = fleet_ops.status_row(sandbox_host(), probe)
+    assert ok is False
+    assert row["profile"] == "(dflash)" and row["unit"] == "not-found" and row["bench_tok_s"] == "-"
+    assert row["health"].startswith("down (")
+    assert "no /etc/sparkfleet/state.json (not deployed)" in problems
+
+
+def test_probe_reports_a_broken_bench_file_and_a_wrong_served_model(tmp_path: Path, fake_api: int) -> None:
+    FakeServer.models = ["other"]
+    try:
+        probe = run_probe_locally(tmp_path, fake_api, STATE, bench="{not json")
+    finally:
+        FakeServer.models = ["qwen"]
+    assert probe["bench"] is None and probe["bench_error"]
+    probe["unit"] = {"LoadState": "loaded", "ActiveState": "active", "SubState": "running"}
+    ok, row, _ = fleet_ops.status_row(sandbox_host(), probe)
+    assert ok is False
+    assert row["health"] == "serves other, not qwen"
+    assert row["bench_tok_s"] == "-"
+
+
+@pytest.mark.parametrize(
+    ("health", "models", "expected"),
+    [
+        ({"status": 503}, None, "/health http 503"),
+        ({"status": None, "error": "[Errno 111] Connection refused"}, None, "down (Connection refused)"),
+        ({"status": 200}, {"status": 401, "body": ""}, "/v1/models http 401"),
+        ({"status": 200}, {"status": 200, "body": "<html>"}, "/v1/models not JSON"),
+    ],
+)
+def test_health_summary(health: dict, models: dict | None, expected: str) -> None:
+    assert fleet_ops.health_summary({"health": health, "models": models}, "qwen") == (False, expected)
+
+
+def test_bench_figure_prefers_decode_then_e2e() -> None:
+    assert fleet_ops.bench_figure(None) == "-"
+    assert fleet_ops.bench_figure({"figures": {"e2e_tok_s": 53.71}}) == "53.7 e2e"
+    assert fleet_ops.bench_figure({"figures": {"decode_tok_s_median": float("nan"), "e2e_tok_s": 1}}) == "1.0 e2e"
+    assert fleet_ops.bench_figure({"figures": {"decode_tok_s_median": None}}) == "-"
+
+
+def test_format_table_aligns_columns() -> None:
+    lines = fleet_ops.format_table([{"a": "x", "b": "long value"}, {"a": "longer", "b": "y"}], ("a", "b"))
+    assert lines == ["A       B", "x       long value", "longer  y"]
+
+
+# ------------------------------------------------------------------------------ the command line
+
+
+def write_inventory(tmp_path: Path) -> Path:
+    inventory = tmp_path / "hosts.yml"
+    hosts = {f"spark-0{i}": {**SANDBOX_VARS, "ansible_host": f"10.213.0.1{i}"} for i in (1, 2, 3)}
+    inventory.write_text(json.dumps({"all": {"children": {"spark": {"hosts": hosts}}}}))
+    return inventory
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return cli.build_parser("ops").parse_args(argv)
+
+
+def test_status_prints_one_aligned_line_per_host_and_fails_when_one_host_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    healthy = {
+        "state": {**STATE, "port": 8000},
+        "unit_name": STATE["unit"],
+        "unit": {"LoadState": "loaded", "ActiveState": "active", "SubState": "running"},
+        "health": {"status": 200},
+        "models": {"status": 200, "body": json.dumps({"data": [{"id": "qwen"}]})},
+        "bench": {"profile": "dflash", "figures": {"decode_tok_s_median": 12.5}},
+        "base_url": "http://127.0.0.1:8000",
+    }
+    connections = {"10.213.0.11": FakeConnection(healthy), "10.213.0.12": FakeConnection(healthy)}
+
+    def connect(host: FleetHost) -> FakeConnection:
+        if host.ssh.address == "10.213.0.13":
+            raise paramiko.SSHException("Server '10.213.0.13' not found in known_hosts")
+        return connections[host.ssh.address]
+
+    code = fleet_ops.run_command(parse(["ops", "status", "-i", str(write_inventory(tmp_path))]), connect=connect)
+    out, err = capsys.readouterr()
+    lines = out.splitlines()
+    assert code == 1
+    assert lines[0].split() == ["HOST", "PROFILE", "UNIT", "HEALTH", "PATCH-SET", "MODEL", "DRAFTER", "BENCH-TOK-S"]
+    assert lines[2].split()[1:] == lines[1].split()[1:]
+    assert lines[1].split()[1:] == [
+        "dflash",
+        "active/running",
+        "ok",
+        "sf1-3a9c0d1e",
+        "intel-int4@0123456789ab",
+        "dflash-drafter@6c7242c934a9",
+        "12.5",
+        "decode",
+    ]
+    assert lines[1].index("active/running") == lines[0].index("UNIT"), "columns line up with the header"
+    assert lines[3].startswith("spark-03  error: host key of 10.213.0.13:22 is not in /srv/fleet/ssh/known_hosts")
+    assert "ops status: 2/3 host(s) ok" in err and "failed: spark-03" in err
+    assert "Traceback" not in out + err
+    probe_command = connections["10.213.0.11"].commands[0]
+    assert probe_command.startswith("/usr/bin/python3 -c ") and probe_command.endswith(
+        " /etc/sparkfleet /var/lib/sparkfleet sparkfleet-vllm-dflash.service 8000"
+    )
+
+    code = fleet_ops.run_command(
+        parse(["ops", "status", "-i", str(write_inventory(tmp_path)), "-l", "spark-01:spark-02", "--json"]),
+        connect=connect,
+    )
+    payload = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert [(h["host"], h["ok"], h["row"]["health"]) for h in payload] == [
+        ("spark-01", True, "ok"),
+        ("spark-02", True, "ok"),
+    ]
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = fleet_ops.run_command(parse(["ops", "status", "-i", str(tmp_path / "missing")]))
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.strip().splitlines() == [
+        f"sparkfleet ops: inventory {str(tmp_path / 'missing')!r} does not exist; "
+        "pass -i inventory/<name> (make sandbox-up writes the sandbox's)"
+    ]
+    code = fleet_ops.run_command(parse(["ops", "logs", "-i", str(write_inventory(tmp_path)), "--lines", "0"]))
+    assert code == 2
+    assert "--lines 0: use 1 or more" in capsys.readouterr().err
+
+
+def test_logs_and_restart_refuse_a_host_without_the_unit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = {"state": None, "unit_name": "sparkfleet-vllm-dflash.service", "unit": {"LoadState": "not-found"}}
+    connection = FakeConnection(missing)
+    code = fleet_ops.run_command(
+        parse(["ops", "restart", "-i", str(write_inventory(tmp_path)), "-l", "spark-01"]), connect=lambda h: connection
+    )
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAILED  unit sparkfleet-vllm-dflash.service is not-found; deploy the host first" in out
+    assert not any("systemctl restart" in c for c in connection.commands), "nothing is restarted"
+
+
+def test_a_failing_remote_command_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = fleet_ops.run_command(
+        parse(["ops", "logs", "-i", str(write_inventory(tmp_path)), "-l", "spark-02"]),
+        connect=lambda h: FakeConnection(None, fail=1),
+    )
+    out = capsys.readouterr().out
+    assert code == 1
+    assert out.strip().startswith("spark-02  FAILED  error: `/usr/bin/python3 -c")
+    assert out.strip().endswith("exited 1: sudo: a password is required")
+
+
+# ------------------------------------------------------------------------------------------ bench
+
+
+def test_bench_command_runs_the_service_venv_with_the_hosts_identity() -> None:
+    options = fleet_ops.BenchOptions("prose", 2, 0.25, True, 600, Path("results/fleet"))
+    probe = {"state": {**STATE, "port": 8000}, "base_url": "http://127.0.0.1:8000"}
+    command, result_path = fleet_ops.bench_command(sandbox_host(), probe, options, "20260624T100000Z")
+    assert result_path == "/var/lib/sparkfleet/bench/spark-01_dflash_decode_20260624T100000Z.json"
+    venv_python = "/opt/sparkfleet/venvs/vllm-0.23.0+sf1abc.cpu/bin/python"
+    assert f"PYTHONPATH=/opt/sparkfleet/lib {venv_python} -m sparkfleet.bench decode" in command
+    for part in (
+        "--base-url http://127.0.0.1:8000",
+        "--patch-set sf1-3a9c0d1e",
+        "--model-revision 0123456789abcdef0123456789abcdef01234567",
+        "--drafter-revision 6c7242c934a9870d7c59c05240bdbb2467cc1394",
+        "--max-requests 2 --max-tokens-scale 0.25",
+        "--ignore-eos",
+        f"--out {result_path}",
+        "mv /var/lib/sparkfleet/bench/latest.json.tmp /var/lib/sparkfleet/bench/latest.json",
+    ):
+        assert part in command
+    with pytest.raises(fleet_ops.HostFailure, match="names no service venv"):
+        fleet_ops.bench_command(sandbox_host(), {"state": {}}, options, "x")
+
+
+def test_bench_payload_runs_standalone_without_site_packages(tmp_path: Path) -> None:
+    """What ops copies to a host is enough for `python -m sparkfleet.bench` with the standard library only."""
+    lib = tmp_path / "lib"
+    for local, relative in fleet_ops.bench_payload():
+        (lib / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(local, lib / relative)
+    assert not (lib / "sparkfleet" / "fleet_ops.py").exists(), "only the bench clients travel"
+    env = {"PYTHONPATH": str(lib), "PATH": os.environ.get("PATH", "")}
+    check = (
+        "import sparkfleet.bench, sparkfleet.bench.decode; from sparkfleet.bench.workloads import load_workload; "
+        "print(len(load_workload('prose', 0.25, 2).requests))"
+    )
+    proc = subprocess.run([sys.executable, "-S", "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "2"
+    proc = subprocess.run(
+        [sys.executable, "-S", "-m", "sparkfleet.bench", "decode", "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0 and "--max-requests" in proc.stdout, proc.stderr
