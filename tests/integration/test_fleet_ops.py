@@ -1,0 +1,200 @@
+"""`sparkfleet ops` against the sandbox fleet: real SSH (Fabric), real systemd, real journal, real vLLM.
+
+Read-only except on spark-03, whose unit is restarted (and left active) and benchmarked briefly,
+and only when it is deployed and healthy: other work may be using the fleet at the same time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.sandbox
+
+ROOT = Path(__file__).resolve().parents[2]
+RESTART_HOST = "spark-03"
+
+
+def ops(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """`sparkfleet ops ARGS` as an operator runs it, from the repo root."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "sparkfleet", "ops", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg")},
+    )
+    print(f"$ sparkfleet ops {' '.join(args)} -> {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}")
+    assert "Traceback" not in proc.stdout + proc.stderr
+    return proc
+
+
+def unit_facts(sandbox_fleet: Any, host: str, unit: str) -> dict[str, str]:
+    shown = sandbox_fleet.ssh(
+        host, f"systemctl show {unit} --property=LoadState,ActiveState,SubState,MainPID,InvocationID", timeout=60
+    )
+    return dict(line.split("=", 1) for line in shown.stdout.splitlines() if "=" in line)
+
+
+def host_state(sandbox_fleet: Any, host: str) -> dict[str, Any] | None:
+    proc = sandbox_fleet.ssh(host, "cat /etc/sparkfleet/state.json", timeout=60)
+    return json.loads(proc.stdout) if proc.returncode == 0 else None
+
+
+def test_status_reports_every_host_as_the_host_itself_does(sandbox_fleet: Any) -> None:
+    proc = ops("status", "-i", "inventory/sandbox", "--json")
+    assert proc.returncode in (0, 1), proc.stderr
+    rows = {entry["host"]: entry for entry in json.loads(proc.stdout)}
+    assert set(sandbox_fleet.names) <= set(rows), f"ops status missed hosts: {sorted(rows)}"
+    for host in sandbox_fleet.names:
+        entry = rows[host]
+        assert "row" in entry, f"{host} was not reached: {entry['problems']}"
+        row = entry["row"]
+        state = host_state(sandbox_fleet, host)
+        unit = state["unit"] if state else "sparkfleet-vllm-dflash.service"
+        facts = unit_facts(sandbox_fleet, host, unit)
+        if facts.get("LoadState") == "loaded":
+            # the unit may move on (activating -> active) between the two looks; its load state does not
+            assert row["unit"].split("/")[0] in ("active", "activating", "inactive", "failed", "deactivating")
+        else:
+            assert row["unit"] == facts.get("LoadState")
+        if state:
+            assert row["profile"] == state["profile"]
+            assert row["patch_set"] == (state["patchset_id"] or "-")
+            assert row["model"].startswith(Path(state["model_path"]).name)
+        else:
+            assert row["profile"].startswith("(") and "not deployed" in entry["problems"]
+        assert entry["ok"] == (row["health"] == "ok" and row["unit"] == "active/running" and state is not None)
+    assert proc.returncode == (0 if all(rows[h]["ok"] for h in rows) else 1)
+
+    table = ops("status", "-i", "inventory/sandbox", "-l", ",".join(sandbox_fleet.names[:2]))
+    lines = table.stdout.splitlines()
+    assert lines[0].split()[:3] == ["HOST", "PROFILE", "UNIT"]
+    assert [line.split()[0] for line in lines[1:]] == sandbox_fleet.names[:2]
+
+
+def test_an_unknown_or_changed_host_key_is_refused(sandbox_fleet: Any, tmp_path: Path) -> None:
+    generated = yaml.safe_load((ROOT / "inventory/sandbox/hosts.yml").read_text())
+    hosts = generated["all"]["children"]["spark"]["hosts"]
+    first, second = sandbox_fleet.names[0], sandbox_fleet.names[1]
+    variables = dict(hosts[first])
+    real_known_hosts = Path(variables["ansible_ssh_common_args"].split("UserKnownHostsFile=")[1].split()[0])
+
+    empty = tmp_path / "empty_known_hosts"
+    empty.write_text("")
+    # the second host's key filed under the first host's address: a changed key
+    address = str(variables["ansible_host"])
+    other_key = [line for line in real_known_hosts.read_text().splitlines() if second in line.split()[0].split(",")]
+    wrong = tmp_path / "wrong_known_hosts"
+    wrong.write_text(f"{address} {' '.join(other_key[0].split()[1:])}\n")
+    inventory = {"all": {"children": {"spark": {"hosts": {}}}}}
+    for name, known_hosts in (("unknown-key", empty), ("changed-key", wrong)):
+        inventory["all"]["children"]["spark"]["hosts"][name] = {
+            **variables,
+            "ansible_ssh_common_args": f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes",
+        }
+    path = tmp_path / "hosts.yml"
+    path.write_text(yaml.safe_dump(inventory))
+
+    proc = ops("status", "-i", str(path))
+    assert proc.returncode == 1
+    lines = {line.split()[0]: line for line in proc.stdout.splitlines()[1:]}
+    assert f"host key of {address}:22 is not in {empty}" in lines["unknown-key"]
+    assert "CHANGED" in lines["changed-key"]
+    assert empty.read_text() == "", "a refused key is not added to known_hosts"
+
+
+def test_logs_show_the_last_journal_lines_of_each_unit(sandbox_fleet: Any) -> None:
+    deployed = [
+        h
+        for h in sandbox_fleet.names
+        if unit_facts(sandbox_fleet, h, "sparkfleet-vllm-dflash.service").get("LoadState") == "loaded"
+    ]
+    if not deployed:
+        pytest.skip("no sandbox host has sparkfleet-vllm-dflash.service yet")
+    proc = ops("logs", "-i", "inventory/sandbox", "-l", ",".join(deployed), "--lines", "4")
+    assert proc.returncode == 0, proc.stderr
+    for host in deployed:
+        journal = [line for line in proc.stdout.splitlines() if line.startswith(f"{host} | ")]
+        assert 1 <= len(journal) <= 4, f"{host}: {journal}"
+        assert any(line.startswith(host) and "ok" in line and "line(s)" in line for line in proc.stdout.splitlines())
+    assert "ops logs:" in proc.stderr
+
+
+def healthy_deployed(sandbox_fleet: Any, host: str) -> tuple[dict[str, Any], str]:
+    """state.json and unit of host when it is deployed, active and healthy; skip the test otherwise."""
+    if host not in sandbox_fleet.names:
+        pytest.skip(f"the sandbox fleet has no {host}")
+    state = host_state(sandbox_fleet, host)
+    if not state:
+        pytest.skip(f"{host} has no /etc/sparkfleet/state.json (not deployed)")
+    facts = unit_facts(sandbox_fleet, host, state["unit"])
+    if facts.get("ActiveState") != "active":
+        pytest.skip(f"{state['unit']} on {host} is {facts.get('ActiveState')}, not active: leave it alone")
+    health = sandbox_fleet.ssh(
+        host,
+        f"python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:{state['port']}/health').status)\"",
+        timeout=30,
+    )
+    if health.stdout.strip() != "200":
+        pytest.skip(f"{host} is not healthy yet: {health.stdout.strip() or health.stderr.strip()[-200:]}")
+    return state, state["unit"]
+
+
+def test_restart_restarts_the_unit_and_waits_for_health(sandbox_fleet: Any) -> None:
+    state, unit = healthy_deployed(sandbox_fleet, RESTART_HOST)
+    before = unit_facts(sandbox_fleet, RESTART_HOST, unit)
+
+    proc = ops("restart", "-i", "inventory/sandbox", "-l", RESTART_HOST, "--timeout", "150", timeout=300)
+
+    after = unit_facts(sandbox_fleet, RESTART_HOST, unit)
+    assert after["ActiveState"] == "active", f"{unit} must be left active: {after}"
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"restarted {unit}; healthy after" in proc.stdout
+    assert after["InvocationID"] != before["InvocationID"], "the unit was not restarted"
+    status = json.loads(ops("status", "-i", "inventory/sandbox", "-l", RESTART_HOST, "--json").stdout)
+    assert status[0]["row"]["health"] == "ok"
+    del state
+
+
+def test_bench_runs_on_the_host_and_status_shows_it(sandbox_fleet: Any, tmp_path: Path) -> None:
+    state, _unit = healthy_deployed(sandbox_fleet, RESTART_HOST)
+    out = tmp_path / "results"
+    proc = ops(
+        "bench",
+        "-i",
+        "inventory/sandbox",
+        "-l",
+        RESTART_HOST,
+        "--workloads",
+        "prose",
+        "--max-requests",
+        "1",
+        "--max-tokens-scale",
+        "0.05",
+        "--ignore-eos",
+        "--out",
+        str(out),
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    copies = list(out.glob(f"{RESTART_HOST}_{state['profile']}_decode_*.json"))
+    assert len(copies) == 1, proc.stdout
+    result = json.loads(copies[0].read_text())
+    assert result["host"] == RESTART_HOST and result["profile"] == state["profile"]
+    assert result["patch_set"] == (state["patchset_id"] or None)
+    latest = json.loads(sandbox_fleet.ssh(RESTART_HOST, "cat /var/lib/sparkfleet/bench/latest.json").stdout)
+    assert latest == result, "latest.json on the host is the run just made"
+    median = result["figures"]["decode_tok_s_median"]
+    assert median > 0
+    status = json.loads(ops("status", "-i", "inventory/sandbox", "-l", RESTART_HOST, "--json").stdout)
+    assert status[0]["row"]["bench_tok_s"].startswith(f"{median:.1f} decode")
