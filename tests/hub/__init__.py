@@ -1,0 +1,1 @@
+"""A local Hugging Face Hub endpoint for tests (see server.py)."""
