@@ -12,6 +12,7 @@ PROFILE ?= dflash
 INVENTORY ?= inventory/sandbox
 LIMIT ?=
 HOSTS ?= 3
+SERIAL ?= 1
 ANSIBLE_ARGS ?=
 
 PYTHON ?= python3
@@ -120,9 +121,27 @@ deploy: check-profile ## Deploy PROFILE to INVENTORY (default: the sandbox) [LIM
 	@if [ -n "$(SANDBOX)" ]; then $(MAKE) --no-print-directory setup sandbox-up; fi
 	$(PLAYBOOK) site.yml -e sparkfleet_profile=$(PROFILE)
 
+.PHONY: switch
+switch: check-profile ## Move hosts to PROFILE one at a time, health-gated; a failed host rolls back
+	$(PLAYBOOK) playbooks/switch.yml -e sparkfleet_profile=$(PROFILE)
+
+# Rolling keeps each host's own profile unless PROFILE is given on the command line.
+ROLL_PROFILE := $(if $(filter command line environment,$(origin PROFILE)),-e sparkfleet_profile=$(PROFILE),)
+.PHONY: rolling
+rolling: check-profile ## Re-provision the fleet in batches (SERIAL=1 or 25%), health-gated, stop on failure
+	$(PLAYBOOK) playbooks/rolling.yml $(ROLL_PROFILE) -e sparkfleet_rolling_serial=$(SERIAL)
+
 .PHONY: health
 health: $(VENV)/.stamp ## Health-check every host of INVENTORY [LIMIT=host]
 	$(PLAYBOOK) playbooks/health.yml
+
+.PHONY: bench
+bench: $(VENV)/.stamp ## Benchmark every host of INVENTORY; results land in results/ [LIMIT=host]
+	$(PLAYBOOK) playbooks/bench.yml
+
+.PHONY: report
+report: $(VENV)/.stamp ## Render results/ into results/report.md with PNG plots
+	$(PY) -m sparkfleet report --results results --out results/report.md
 
 .PHONY: profiles
 profiles: $(VENV)/.stamp ## List the profiles INVENTORY knows

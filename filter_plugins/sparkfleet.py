@@ -24,6 +24,7 @@ def sparkfleet_profile(
     env_common: dict[str, Any] | None = None,
     serve_args_platform: dict[str, Any] | None = None,
     env_platform: dict[str, Any] | None = None,
+    serve_args_host: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``name | sparkfleet_profile(builtin, site, common_args, common_env, platform_args, platform_env)``:
     the resolved profile dict; raises AnsibleFilterError naming an unknown profile and the valid ones."""
@@ -35,6 +36,7 @@ def sparkfleet_profile(
             env_common,
             serve_args_platform,
             env_platform,
+            serve_args_host,
         )
     except _profiles.ProfileError as exc:
         raise AnsibleFilterError(str(exc)) from exc

@@ -5,7 +5,8 @@ filters in ``filter_plugins/sparkfleet.py`` and the ``sparkfleet profile`` comma
 Makefile uses to refuse an unknown PROFILE before anything runs.
 
 Layering of serve arguments, later wins: ``sparkfleet_serve_args_common`` (the recipe's defaults)
-→ the profile's ``serve_args`` → ``sparkfleet_serve_args_platform`` (e.g. the sandbox's CPU flags).
+→ the profile's ``serve_args`` → ``sparkfleet_serve_args_platform`` (e.g. the sandbox's CPU flags)
+→ ``sparkfleet_serve_args_host`` (one host's own tweaks, from its host_vars).
 A ``None`` value drops a flag that a lower layer set.
 """
 
@@ -70,6 +71,7 @@ def resolve(
     env_common: Mapping[str, Any] | None = None,
     serve_args_platform: Mapping[str, Any] | None = None,
     env_platform: Mapping[str, Any] | None = None,
+    serve_args_host: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The profile ``name`` with its serve arguments and environment fully layered.
 
@@ -78,7 +80,7 @@ def resolve(
     """
     spec = get_profile(profiles, name)
     args: dict[str, Any] = {}
-    for layer in (serve_args_common, spec.get("serve_args"), serve_args_platform):
+    for layer in (serve_args_common, spec.get("serve_args"), serve_args_platform, serve_args_host):
         args.update(layer or {})
     env: dict[str, Any] = {}
     for layer in (env_common, spec.get("env"), env_platform):

@@ -41,9 +41,7 @@ def run_playbook(*args: str, env: dict[str, str] | None = None, timeout: int = 1
         "ANSIBLE_FORCE_COLOR": "0",
         **(env or {}),
     }
-    proc = subprocess.run(
-        cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
     output = proc.stdout + proc.stderr
     print(f"$ {' '.join(cmd)}\n{output[-6000:]}")
     recap = {}
@@ -57,3 +55,13 @@ def run_playbook(*args: str, env: dict[str, str] | None = None, timeout: int = 1
 @pytest.fixture(scope="session")
 def sandbox_hosts(sandbox_fleet) -> list[str]:  # noqa: F811 - the fixture imported above
     return sandbox_fleet.names
+
+
+@pytest.fixture(scope="session")
+def converged_fleet(sandbox_fleet):  # noqa: F811 - the fixture imported above
+    """The fleet after one real `site.yml` deploy of the dflash profile (shared by every test that
+    needs serving hosts; each such test leaves the fleet in this state)."""
+    run = run_playbook("site.yml", "-e", "sparkfleet_profile=dflash")
+    assert run.returncode == 0, run.output[-4000:]
+    assert set(run.recap) >= set(sandbox_fleet.names)
+    return run

@@ -19,11 +19,8 @@ UNIT = "sparkfleet-vllm-dflash.service"
 
 
 @pytest.fixture(scope="module")
-def deployed(sandbox_hosts: list[str]):
-    run = run_playbook("site.yml", "-e", "sparkfleet_profile=dflash")
-    assert run.returncode == 0, run.output[-4000:]
-    assert set(run.recap) >= set(sandbox_hosts)
-    return run
+def deployed(converged_fleet):
+    return converged_fleet
 
 
 def test_every_host_is_serving_and_summarised(deployed, sandbox_hosts, sandbox_fleet) -> None:
@@ -37,8 +34,7 @@ def test_every_host_is_serving_and_summarised(deployed, sandbox_hosts, sandbox_f
         assert "127.0.0.1:8000" in listening, f"{host}: nothing listens on 127.0.0.1:8000: {listening!r}"
         # the summary names each host with its profile and health
         assert any(
-            host in line and "profile=dflash" in line and "health=ok" in line
-            for line in deployed.output.splitlines()
+            host in line and "profile=dflash" in line and "health=ok" in line for line in deployed.output.splitlines()
         ), f"no summary line for {host}"
 
 
@@ -71,12 +67,8 @@ def test_the_service_runs_unprivileged_and_hardened(deployed, sandbox_hosts, san
     assert uid != "0"
     env_mode = sandbox_fleet.ssh(host, "stat -c '%a %U' /etc/sparkfleet/vllm-dflash.env").stdout.strip()
     assert env_mode == "600 vllm"
-    props = sandbox_fleet.ssh(
-        host, f"systemctl show -p NoNewPrivileges -p ProtectSystem -p Restart {UNIT}"
-    ).stdout
-    assert (
-        "NoNewPrivileges=yes" in props and "ProtectSystem=strict" in props and "Restart=on-failure" in props
-    )
+    props = sandbox_fleet.ssh(host, f"systemctl show -p NoNewPrivileges -p ProtectSystem -p Restart {UNIT}").stdout
+    assert "NoNewPrivileges=yes" in props and "ProtectSystem=strict" in props and "Restart=on-failure" in props
     patchset = sandbox_fleet.ssh(host, f"systemctl show -p Environment --value {UNIT}").stdout
     assert "SPARKFLEET_PATCHSET=" in patchset
 
@@ -94,14 +86,10 @@ def test_check_mode_on_a_converged_fleet_reports_nothing(deployed, sandbox_hosts
 
 
 def test_unknown_profile_fails_before_any_host_is_touched(deployed, sandbox_hosts, sandbox_fleet) -> None:
-    before = sandbox_fleet.ssh(
-        sandbox_hosts[0], f"systemctl show -p ActiveEnterTimestamp --value {UNIT}"
-    ).stdout
+    before = sandbox_fleet.ssh(sandbox_hosts[0], f"systemctl show -p ActiveEnterTimestamp --value {UNIT}").stdout
     bad = run_playbook("site.yml", "-e", "sparkfleet_profile=turbo")
     assert bad.returncode != 0
     assert "unknown profile 'turbo': valid profiles are" in bad.output
     assert not any(h in bad.recap for h in sandbox_hosts), "a host was contacted"
-    after = sandbox_fleet.ssh(
-        sandbox_hosts[0], f"systemctl show -p ActiveEnterTimestamp --value {UNIT}"
-    ).stdout
+    after = sandbox_fleet.ssh(sandbox_hosts[0], f"systemctl show -p ActiveEnterTimestamp --value {UNIT}").stdout
     assert before == after

@@ -1,0 +1,126 @@
+"""Switching profiles and rolling re-provisions on the sandbox fleet, with real failures.
+
+Each test starts from the fleet converged on the `dflash` profile and returns it to that state.
+
+A failure is made the way an operator would make one by mistake: a host's own serve-argument
+tweak (`sparkfleet_serve_args_host` in its host_vars) asks for a context the model does not have,
+so vLLM refuses to start and the host's health gate fails.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.conftest import ROOT, run_playbook
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+DFLASH = "sparkfleet-vllm-dflash.service"
+BASE = "sparkfleet-vllm-base.service"
+BROKEN = {"max-model-len": 1_000_000}  # beyond the tiny models' max_position_embeddings
+
+
+def state(fleet, host: str) -> dict:
+    out = fleet.ssh(host, "cat /etc/sparkfleet/state.json")
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def active(fleet, host: str, unit: str) -> str:
+    return fleet.ssh(host, f"systemctl is-active {unit}").stdout.strip()
+
+
+def enabled(fleet, host: str, unit: str) -> str:
+    return fleet.ssh(host, f"systemctl is-enabled {unit}").stdout.strip()
+
+
+def main_pid(fleet, host: str, unit: str) -> str:
+    return fleet.ssh(host, f"systemctl show -p MainPID --value {unit}").stdout.strip()
+
+
+@pytest.fixture
+def inventory_with_host_vars(tmp_path: Path):
+    """A copy of the sandbox inventory to which a test adds host_vars (the real one stays clean)."""
+    inv = tmp_path / "inventory"
+    inv.mkdir()
+    shutil.copy(ROOT / "inventory/sandbox/hosts.yml", inv / "hosts.yml")
+    (inv / "group_vars").symlink_to(ROOT / "inventory/sandbox/group_vars")
+    (inv / "host_vars").mkdir()
+
+    def add(host: str, variables: dict) -> str:
+        (inv / "host_vars" / f"{host}.yml").write_text(yaml.safe_dump(variables))
+        return str(inv)
+
+    return add
+
+
+def test_switch_both_ways(converged_fleet, sandbox_fleet) -> None:
+    host = sandbox_fleet.names[-1]
+    to_base = run_playbook("playbooks/switch.yml", "--limit", host, "-e", "sparkfleet_profile=base")
+    assert to_base.returncode == 0, to_base.output[-4000:]
+    assert active(sandbox_fleet, host, BASE) == "active"
+    assert active(sandbox_fleet, host, DFLASH) == "inactive"  # Conflicts= stopped it
+    assert enabled(sandbox_fleet, host, DFLASH) == "disabled"  # and it will not start at boot
+    assert state(sandbox_fleet, host)["profile"] == "base"
+    assert "health=ok" in to_base.output
+
+    back = run_playbook("playbooks/switch.yml", "--limit", host, "-e", "sparkfleet_profile=dflash")
+    assert back.returncode == 0, back.output[-4000:]
+    assert active(sandbox_fleet, host, DFLASH) == "active"
+    assert active(sandbox_fleet, host, BASE) == "inactive"
+    assert enabled(sandbox_fleet, host, BASE) == "disabled"
+    assert state(sandbox_fleet, host)["profile"] == "dflash"
+
+
+def test_failed_switch_rolls_back_and_says_so(converged_fleet, sandbox_fleet, inventory_with_host_vars) -> None:
+    host = sandbox_fleet.names[-1]
+    before = state(sandbox_fleet, host)
+    inv = inventory_with_host_vars(host, {"sparkfleet_serve_args_host": BROKEN})
+    failed = run_playbook("-i", inv, "playbooks/switch.yml", "--limit", host, "-e", "sparkfleet_profile=base")
+    assert failed.returncode != 0
+    assert "switching to profile base failed" in failed.output
+    assert "ROLLED BACK to its last good state: profile dflash" in failed.output
+    # the host serves its old profile again, from its old unit and wheel
+    assert active(sandbox_fleet, host, DFLASH) == "active"
+    assert active(sandbox_fleet, host, BASE) != "active"
+    after = state(sandbox_fleet, host)
+    assert {k: after[k] for k in ("profile", "vllm_version", "venv", "patchset_id")} == {
+        k: before[k] for k in ("profile", "vllm_version", "venv", "patchset_id")
+    }
+    health = run_playbook("playbooks/health.yml", "--limit", host)
+    assert health.returncode == 0, health.output[-3000:]
+
+
+def test_rolling_stops_at_the_failing_host(converged_fleet, sandbox_fleet, inventory_with_host_vars) -> None:
+    first, failing, untouched = sandbox_fleet.names[:3]
+    pids_before = {h: main_pid(sandbox_fleet, h, DFLASH) for h in (first, failing, untouched)}
+    inv = inventory_with_host_vars(failing, {"sparkfleet_serve_args_host": BROKEN})
+    # the "new version" rolled out: one more concurrent sequence on every host (extra vars outrank
+    # host_vars, so it goes in the platform layer and the failing host's own tweak still applies)
+    sandbox = yaml.safe_load((ROOT / "inventory/sandbox/group_vars/all/50-sandbox.yml").read_text())
+    new_version = {"sparkfleet_serve_args_platform": {**sandbox["sparkfleet_serve_args_platform"], "max-num-seqs": 3}}
+    roll = run_playbook(
+        "-i", inv, "playbooks/rolling.yml", "-e", "sparkfleet_rolling_serial=1", "-e", json.dumps(new_version)
+    )
+    assert roll.returncode != 0
+    # host 1: upgraded and serving
+    assert active(sandbox_fleet, first, DFLASH) == "active"
+    unit = sandbox_fleet.ssh(first, f"systemctl cat {DFLASH}").stdout
+    assert "--max-num-seqs 3" in unit
+    # host 2: failed its gate, rolled back to the old unit, serving
+    assert "ROLLED BACK" in roll.output and failing in roll.output
+    assert active(sandbox_fleet, failing, DFLASH) == "active"
+    assert "--max-num-seqs 2" in sandbox_fleet.ssh(failing, f"systemctl cat {DFLASH}").stdout
+    # host 3: never reached
+    assert untouched not in roll.recap or roll.recap[untouched]["changed"] == 0
+    assert main_pid(sandbox_fleet, untouched, DFLASH) == pids_before[untouched]
+    assert "--max-num-seqs 2" in sandbox_fleet.ssh(untouched, f"systemctl cat {DFLASH}").stdout
+
+    # put the fleet back as the deploy left it
+    restore = run_playbook("site.yml", "-e", "sparkfleet_profile=dflash")
+    assert restore.returncode == 0, restore.output[-4000:]
