@@ -261,6 +261,15 @@ class SeedCache:
             tmp.replace(path)
         return path
 
+    def still_verified(self, manifest: Manifest, entry: ManifestFile, records: dict[str, VerifyRecord]) -> bool:
+        """True when the file was verified and has not changed since (same size and mtime)."""
+        path = self.snapshot(manifest) / entry.path
+        record = records.get(entry.path)
+        if record is None or not path.is_file():
+            return False
+        stat = path.stat()
+        return stat.st_size == record.size == entry.size and stat.st_mtime_ns == record.mtime_ns
+
     def has_content(self, manifest: Manifest, entry: ManifestFile) -> bool:
         """True when the file is in the cache already (its snapshot link, or its blob under the hub's etag)."""
         etag = entry.sha256 if entry.lfs else entry.git_blob_id
@@ -349,12 +358,7 @@ def fetch(
     selected = [entry for entry in manifest.files if not wanted or entry.path in wanted]
 
     def still_verified(entry: ManifestFile) -> bool:
-        path = snapshot / entry.path
-        record = records.get(entry.path)
-        if record is None or not path.is_file():
-            return False
-        stat = path.stat()
-        return stat.st_size == record.size == entry.size and stat.st_mtime_ns == record.mtime_ns
+        return seed.still_verified(manifest, entry, records)
 
     missing = [entry for entry in selected if not seed.has_content(manifest, entry)]
     needed = sum(entry.size for entry in missing)
@@ -552,6 +556,8 @@ def run_describe(args: argparse.Namespace) -> int:
                 manifest.allow_patterns,
             )
         path = seed.write_manifest(manifest)
+        records = seed.load_records(manifest)
+        complete = all(seed.still_verified(manifest, e, records) for e in manifest.files)
     except HubCacheError as error:
         print(f"sparkfleet weights: {error}", file=sys.stderr)
         return 1
@@ -564,6 +570,7 @@ def run_describe(args: argparse.Namespace) -> int:
         "files": [asdict(f) for f in manifest.files],
         "missing": [f.path for f in missing],
         "missing_bytes": need,
+        "complete": complete,
         "steps": [
             {"files": step, "bytes": sum(sizes[name] for name in step)}
             for step in transfer_batches(((f.path, f.size) for f in missing), args.chunk_bytes)

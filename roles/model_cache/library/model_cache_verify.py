@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import grp
 import hashlib
+import json
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +44,18 @@ options:
     description: Files hashed in parallel.
     type: int
     default: 4
+  create:
+    description: Create I(path) (and its parents) as a directory, mode 0750, owned by root and I(group).
+    type: bool
+    default: false
+  group:
+    description: Group of the directory and the manifest file (must exist).
+    type: str
+  manifest:
+    description:
+      - The whole manifest to keep next to the directory as C(<path>.manifest.json), mode 0640, owned by
+        root and I(group). Rewritten only when its content differs.
+    type: dict
   chunk_bytes:
     description: In I(steps), a missing file this big is a step of its own; smaller ones are grouped.
     type: int
@@ -175,6 +189,47 @@ def transfer_steps(files, chunk_bytes):
     return steps
 
 
+def ensure_directory(path, gid):
+    """Create path (with parents) owned by root:gid, mode 0750; True when something changed."""
+    changed = False
+    if not os.path.isdir(path):
+        os.makedirs(path, mode=0o750)
+        changed = True
+    info = os.stat(path)
+    if (info.st_uid, info.st_gid) != (0, gid):
+        os.chown(path, 0, gid)
+        changed = True
+    if info.st_mode & 0o7777 != 0o750:
+        os.chmod(path, 0o750)
+        changed = True
+    return changed
+
+
+def write_manifest(dest, manifest, gid, check_mode):
+    """Write the manifest JSON (sorted keys) if it differs; fix owner and mode; True when changed."""
+    text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+    current = None
+    if os.path.isfile(dest):
+        with open(dest) as handle:
+            current = handle.read()
+    changed = current != text
+    if changed and not check_mode:
+        tmp = dest + ".tmp"
+        with open(tmp, "w") as handle:
+            handle.write(text)
+        os.chmod(tmp, 0o640)
+        os.chown(tmp, 0, gid)
+        os.replace(tmp, dest)
+    elif not changed:
+        info = os.stat(dest)
+        if (info.st_uid, info.st_gid, info.st_mode & 0o7777) != (0, gid, 0o640):
+            changed = True
+            if not check_mode:
+                os.chown(dest, 0, gid)
+                os.chmod(dest, 0o640)
+    return changed
+
+
 def build_module():
     return AnsibleModule(
         argument_spec={
@@ -183,6 +238,9 @@ def build_module():
             "remove_bad": {"type": "bool", "default": False},
             "required_free_check": {"type": "bool", "default": True},
             "workers": {"type": "int", "default": 4},
+            "create": {"type": "bool", "default": False},
+            "group": {"type": "str"},
+            "manifest": {"type": "dict"},
             "chunk_bytes": {"type": "int", "default": 268435456},
         },
         supports_check_mode=True,
@@ -196,10 +254,29 @@ def main():
         entries = check_entries(module.params["files"])
     except ValueError as error:
         module.fail_json(msg=str(error))
+    changed = False
+    gid = None
+    if module.params["create"] or module.params["manifest"] is not None:
+        if not module.params["group"]:
+            module.fail_json(msg="group is required with create or manifest")
+        try:
+            gid = grp.getgrnam(module.params["group"]).gr_gid
+        except KeyError:
+            module.fail_json(msg=f"group {module.params['group']!r} does not exist on this host; create it first")
+    if module.params["create"] and not (module.check_mode and not os.path.isdir(directory)):
+        changed = ensure_directory(directory, gid) if not module.check_mode else False
+    elif module.params["create"]:
+        module.exit_json(changed=True, files=len(entries), bytes=sum(e[1] for e in entries), ok=[],
+                         missing=[e[0] for e in entries], bad=[], steps=[], bytes_needed=0, free_bytes=0,
+                         verified=False, msg="check mode: the directory would be created")  # fmt: skip
+    if module.params["manifest"] is not None:
+        manifest_changed = write_manifest(
+            directory.rstrip("/") + ".manifest.json", module.params["manifest"], gid, module.check_mode
+        )
+        changed = changed or manifest_changed
     if not os.path.isdir(directory):
         module.fail_json(msg=f"{directory}: not a directory; create it before checking the model")
     ok, missing, bad = inspect(directory, entries, module.params["workers"])
-    changed = False
     if bad and module.params["remove_bad"]:
         changed = True
         if not module.check_mode:
