@@ -545,3 +545,82 @@ def test_bench_payload_runs_standalone_without_site_packages(tmp_path: Path) -> 
         text=True,
     )
     assert proc.returncode == 0 and "--max-requests" in proc.stdout, proc.stderr
+
+
+# ------------------------------------------------------------------- benchmarks/bench_fleet_scale.py
+
+
+def test_fleet_scale_dry_run_prints_the_runs_in_order(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_fleet_scale as scale
+
+    assert scale.main(["--dry-run", "--fresh"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    playbooks = [line for line in lines if "ansible-playbook" in line]
+    assert [line.split("--limit ")[1].split()[0] for line in playbooks] == [
+        "spark-01",
+        "spark-01",
+        "spark-01,spark-02,spark-03",
+        "spark-01,spark-02,spark-03",
+    ]
+    assert all(" -i inventory/sandbox site.yml " in line and "sparkfleet_profile=dflash" in line for line in playbooks)
+    resets = [i for i, line in enumerate(lines) if "fleet.py down --purge" in line]
+    assert resets == [lines.index(playbooks[0]) - 2, lines.index(playbooks[2]) - 2], "a purge before each provision"
+    assert sum("ops status" in line for line in lines) == 2
+
+
+def test_fleet_scale_refuses_to_reset_a_real_inventory() -> None:
+    from benchmarks import bench_fleet_scale as scale
+
+    with pytest.raises(SystemExit) as exit_info:
+        scale.parse_args(["--fresh", "-i", "inventory/example"])
+    assert exit_info.value.code == 2
+    with pytest.raises(SystemExit):
+        scale.parse_args(["--one", "spark-09"])
+
+
+def test_fleet_scale_reads_the_recap_and_renders_ratios() -> None:
+    from benchmarks import bench_fleet_scale as scale
+
+    output = (
+        "PLAY RECAP ****\n"
+        "spark-01                   : ok=40   changed=0    unreachable=0    failed=0    skipped=9    rescued=0\n"
+        "Playbook run took 0 days, 0 hours, 2 minutes, 5 seconds\n"
+    )
+    assert scale.parse_recap(output) == {
+        "spark-01": {"ok": 40, "changed": 0, "unreachable": 0, "failed": 0, "skipped": 9}
+    }
+    assert scale.parse_timer(output) == 125
+
+    def phase(name: str, kind: str, hosts: list[str], wall: float) -> dict[str, Any]:
+        recap = {h: {"ok": 1, "changed": 3 if kind == "provision" else 0} for h in hosts}
+        return {"name": name, "kind": kind, "hosts": hosts, "wall_s": wall, "recap": recap, "reset_before": False}
+
+    fleet = ["spark-01", "spark-02", "spark-03"]
+    measurement = {
+        "schema": scale.SCHEMA,
+        "environment": {
+            "utc_time": "T",
+            "git_commit": "abc",
+            "controller": "Linux x86_64",
+            "controller_cpus": 2,
+            "load_average_at_start": [1.0, 1.0, 1.0],
+            "inventory": "inventory/sandbox",
+            "profile": "dflash",
+            "ansible": "ansible-playbook [core 2.19.14]",
+            "playbook": "site.yml",
+            "fresh": False,
+            "argv": ["--skip-ops"],
+        },
+        "phases": [
+            phase("provision-1", "provision", ["spark-01"], 100.0),
+            phase("rerun-1", "rerun", ["spark-01"], 20.0),
+            phase("provision-3", "provision", fleet, 150.0),
+            phase("rerun-3", "rerun", fleet, 30.0),
+        ],
+    }
+    doc = scale.render_doc(measurement)
+    assert "| provision | 100.0 | 150.0 | 1.50× | 2.00× |" in doc
+    assert "| re-run | 20.0 | 30.0 | 1.50× | 2.00× |" in doc
+    assert "| provision-3 | 3 | 150.0 | spark-01 3, spark-02 3, spark-03 3 | no |" in doc
+    assert "found spark-01 already converged" in doc
+    assert "`python benchmarks/bench_fleet_scale.py --skip-ops`" in doc
