@@ -396,7 +396,7 @@ def open_connection(host: FleetHost) -> Any:
     if settings.known_hosts_files:
         for path in settings.known_hosts_files:
             if Path(path).is_file():
-                client.load_host_keys(path)  # also where accept-new saves new keys
+                client.load_host_keys(path)
     else:
         client.load_system_host_keys()
     policies = {
@@ -452,22 +452,30 @@ def run_on_hosts(
     operation: HostOperation,
     forks: int = DEFAULT_FORKS,
     connect: Callable[[FleetHost], Any] = open_connection,
+    progress: bool = False,
 ) -> list[HostOutcome]:
     """Run ``operation(host, connection)`` on every host, ``forks`` at a time; results in host order.
 
-    Any error of one host becomes a failed outcome with a one-line reason; the others go on.
+    Any error of one host becomes a failed outcome with a one-line reason; the others go on. With
+    ``progress``, a line on stderr as each host finishes (restart and bench take minutes).
     """
+
+    started = time.monotonic()
 
     def one(host: FleetHost) -> HostOutcome:
         connection = None
         try:
             connection = connect(host)
-            return operation(host, connection)
+            outcome = operation(host, connection)
         except Exception as exc:  # noqa: BLE001 - the per-host boundary: report, never a traceback
-            return HostOutcome(host.name, False, f"error: {describe_exception(exc, host)}")
+            outcome = HostOutcome(host.name, False, f"error: {describe_exception(exc, host)}")
         finally:
             if connection is not None:
                 connection.close()
+        if progress:
+            mark = "done" if outcome.ok else "FAILED"
+            print(f"  {host.name}: {mark} after {time.monotonic() - started:.1f} s", file=sys.stderr, flush=True)
+        return outcome
 
     if not hosts:
         return []
@@ -717,7 +725,9 @@ def run_in_batches(
         if outcomes and not all(o.ok for o in outcomes):
             outcomes.extend(HostOutcome(h.name, False, "skipped: an earlier batch failed") for h in group)
             continue
-        outcomes.extend(run_on_hosts(group, operation, forks, connect))
+        names = ", ".join(h.name for h in group)
+        print(f"batch {start // size + 1}: {names}", file=sys.stderr, flush=True)
+        outcomes.extend(run_on_hosts(group, operation, forks, connect, progress=True))
     return outcomes
 
 
@@ -902,7 +912,8 @@ def run_command(args: argparse.Namespace, connect: Callable[[FleetHost], Any] = 
                 out_dir=Path(args.out),
             )
             stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-            outcomes = run_on_hosts(hosts, bench_operation(options, stamp), args.forks, connect)
+            print(f"benchmarking {len(hosts)} host(s) in parallel ...", file=sys.stderr, flush=True)
+            outcomes = run_on_hosts(hosts, bench_operation(options, stamp), args.forks, connect, progress=True)
             print_outcomes(outcomes)
         else:
             raise OpsError(f"unknown ops command {args.ops_command!r}")
