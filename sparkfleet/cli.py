@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "report": "sparkfleet.report",
     "ops": "sparkfleet.fleet_ops",
     "profile": "sparkfleet.profiles",
+    "weights": "sparkfleet.hub_cache",
 }
 
 

@@ -163,6 +163,7 @@ class HubDouble:
         self._corrupt: dict[tuple[str, str], Switch] = {}
         self._fail: dict[tuple[str, str], Switch] = {}
         self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
         self._server = ThreadingHTTPServer((host, port), _make_handler(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -244,6 +245,13 @@ class HubDouble:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+        # close kept-alive client connections too: a pooled connection would otherwise go on being
+        # served by this (stopped) hub's handler thread
+        with self._lock:
+            connections = list(self._connections)
+        for connection in connections:
+            with contextlib.suppress(OSError):
+                connection.shutdown(socket.SHUT_RDWR)
         if self._thread is not None:
             self._thread.join(timeout=5)
 
@@ -258,6 +266,17 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
     class HubHandler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         server_version = "hub-double/1"
+
+        def setup(self) -> None:
+            super().setup()
+            with hub._lock:
+                hub._connections.add(self.connection)
+
+        def finish(self) -> None:
+            with hub._lock:
+                hub._connections.discard(self.connection)
+            with contextlib.suppress(OSError):
+                super().finish()
 
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
             pass  # the hub's log is hub.log
