@@ -184,6 +184,7 @@ def describe(
     allow_patterns: Iterable[str] = (),
 ) -> Manifest:
     """Ask the hub for the files of ``repo`` at a pinned commit: sizes, blob ids, LFS sha256."""
+    import httpx
     from huggingface_hub.errors import HfHubHTTPError
 
     check_revision(repo, revision)
@@ -193,6 +194,11 @@ def describe(
     except HfHubHTTPError as error:
         first_line = str(error).splitlines()[0]
         raise HubCacheError(f"{repo}@{revision}: the hub refused the file list: {first_line}") from error
+    except httpx.HTTPError as error:
+        raise HubCacheError(
+            f"{repo}@{revision}: cannot reach the hub at {endpoint or 'the default endpoint'} ({error}); "
+            "check HF_ENDPOINT / model_cache_hub_endpoint and the network"
+        ) from error
     if info.sha != revision:
         raise HubCacheError(f"{repo}@{revision}: the hub answered with commit {info.sha}; refusing a moved revision")
     files = tuple(
@@ -344,6 +350,7 @@ def fetch(
     written is always the whole one, with the sha256 of every file the cache holds verified.
     A file that fails verification is deleted and downloaded again, up to ``attempts`` times.
     """
+    import httpx
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -384,7 +391,7 @@ def fetch(
                     endpoint=endpoint,
                     token=token,
                 )
-            except (HfHubHTTPError, OSError) as error:
+            except (HfHubHTTPError, httpx.HTTPError, OSError) as error:
                 first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
                 raise HubCacheError(
                     f"{manifest.repo}@{manifest.revision}: {entry.path}: download failed: {first_line}; "
