@@ -1,0 +1,149 @@
+"""model_cache in hub mode on the sandbox fleet, against the local hub double (issue 4).
+
+One seed per fleet: three hosts get two pinned repos and the hub serves their bytes once. A second
+run repairs a corrupted file on one host and a truncated one on another from the seed (the hub is
+not asked again) and changes nothing on the untouched host. A branch name is refused before any
+request. Only model-cache paths under /var/lib/sparkfleet-test are touched; no service is.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.hub.server import HubDouble
+from tests.integration.conftest import run_playbook
+
+pytestmark = [pytest.mark.sandbox]
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "build" / "models"
+PORT = 18503
+CACHE_DIR = "/var/lib/sparkfleet-test/models"
+GROUP = "sfcachetest"
+HOSTS = ["spark-01", "spark-02", "spark-03"]
+
+PLAYBOOK = """
+- name: Cache hub models (test)
+  hosts: "{{ test_hosts }}"
+  become: true
+  gather_facts: false
+  roles:
+    - role: model_cache
+"""
+
+
+@pytest.fixture(scope="module")
+def hub() -> Iterator[HubDouble]:
+    for name in ("tiny-qwen3", "tiny-qwen3-dflash", "tiny-qwen3-dflash-wide"):
+        if not (MODELS / name / "config.json").is_file():
+            pytest.skip(f"build/models/{name} is missing: build the tiny models (tests/fixtures/tiny_models.py)")
+    with HubDouble("127.0.0.1", PORT) as double:
+        yield double
+
+
+@pytest.fixture(scope="module")
+def fleet(sandbox_fleet) -> object:  # noqa: ANN001 - the shared fixture
+    missing = [host for host in HOSTS if host not in sandbox_fleet.names]
+    if missing:
+        pytest.skip(f"the sandbox fleet lacks {missing}")
+    for host in HOSTS:
+        sandbox_fleet.ssh(host, f"rm -rf {shlex.quote(str(Path(CACHE_DIR).parent))}")
+    return sandbox_fleet
+
+
+def write_run(tmp: Path, hub: HubDouble, models: list[dict]) -> list[str]:
+    (tmp / "play.yml").write_text(PLAYBOOK)
+    variables = {
+        "test_hosts": ",".join(HOSTS),
+        "model_cache_dir": CACHE_DIR,
+        "model_cache_group": GROUP,
+        "model_cache_hub_seed_dir": str(tmp / "seed"),
+        "model_cache_hub_endpoint": hub.endpoint,
+        "model_cache_models": models,
+    }
+    (tmp / "vars.json").write_text(json.dumps(variables))
+    return [str(tmp / "play.yml"), "-e", f"@{tmp / 'vars.json'}", "--limit", ",".join(HOSTS)]
+
+
+def sha256_on(fleet, host: str, path: str) -> str:  # noqa: ANN001
+    out = fleet.ssh(host, f"sha256sum {shlex.quote(path)}")
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()[0]
+
+
+def test_one_seed_per_fleet_then_repair_from_the_seed(fleet, hub: HubDouble, tmp_path_factory) -> None:  # noqa: ANN001
+    tmp = tmp_path_factory.mktemp("hub-run")
+    target_rev = hub.add_revision("org/tiny-qwen3", MODELS / "tiny-qwen3")
+    drafter_rev = hub.add_revision("z-lab/tiny-dflash", MODELS / "tiny-qwen3-dflash")
+    hub.add_revision("z-lab/tiny-dflash", MODELS / "tiny-qwen3-dflash-wide")  # upstream moves main on
+    models = [
+        {"name": "tiny-qwen3", "repo": "org/tiny-qwen3", "revision": target_rev},
+        {"name": "tiny-dflash", "repo": "z-lab/tiny-dflash", "revision": drafter_rev},
+    ]
+    args = write_run(tmp, hub, models)
+    total = sum(f.size for f in hub.repos["org/tiny-qwen3"].resolve(target_rev).files.values()) + sum(
+        f.size for f in hub.repos["z-lab/tiny-dflash"].resolve(drafter_rev).files.values()
+    )
+
+    first = run_playbook(*args, timeout=600)
+    assert first.returncode == 0, first.output[-4000:]
+    # N hosts, 1x the models' bytes from the hub
+    assert hub.file_bytes_served() == total
+    assert {g.path for g in hub.file_gets("z-lab/tiny-dflash")} and all(g.status == 200 for g in hub.file_gets())
+    for host in HOSTS:
+        assert any(
+            f"model_cache {host}: 2 hub models, 12 files," in line and f"({total} bytes)" in line
+            and "verified=yes" in line for line in first.output.splitlines()
+        ), f"no summary line for {host}"  # fmt: skip
+        link = fleet.ssh(host, f"readlink {CACHE_DIR}/tiny-dflash").stdout.strip()
+        assert link == f".hub/tiny-dflash/{drafter_rev}"
+        config = json.loads(fleet.ssh(host, f"cat {CACHE_DIR}/tiny-dflash/config.json").stdout)
+        assert config["num_key_value_heads"] == 1  # the pinned drafter, not upstream's wider one
+        manifest_path = f"{CACHE_DIR}/.hub/tiny-qwen3/{target_rev}.manifest.json"
+        mode = fleet.ssh(host, f"stat -c '%a %U %G' {manifest_path}").stdout.strip()
+        assert mode == f"640 root {GROUP}"
+        manifest = json.loads(fleet.ssh(host, f"cat {manifest_path}").stdout)
+        assert (manifest["repo"], manifest["revision"]) == ("org/tiny-qwen3", target_rev)
+        weights = next(f for f in manifest["files"] if f["path"] == "model.safetensors")
+        assert sha256_on(fleet, host, f"{CACHE_DIR}/tiny-qwen3/model.safetensors") == weights["sha256"]
+        file_mode = fleet.ssh(host, f"stat -c '%a %G' {CACHE_DIR}/tiny-qwen3/model.safetensors").stdout.strip()
+        assert file_mode == f"640 {GROUP}"
+
+    # damage two hosts: bit rot that keeps size and mtime, and a truncated file
+    weights_path = f"{CACHE_DIR}/tiny-qwen3/model.safetensors"
+    flip = (
+        "import os,sys; p=sys.argv[1]; st=os.stat(p); f=open(p,'r+b'); f.seek(4096); b=f.read(1); f.seek(4096);"
+        "f.write(bytes([b[0]^255])); f.close(); os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))"
+    )
+    assert fleet.ssh("spark-02", f"python3 -c {shlex.quote(flip)} {weights_path}").returncode == 0
+    assert fleet.ssh("spark-03", f"truncate -s 100 {CACHE_DIR}/tiny-dflash/config.json").returncode == 0
+    served_before = hub.file_bytes_served()
+
+    second = run_playbook(*args, timeout=600)
+    assert second.returncode == 0, second.output[-4000:]
+    assert second.changed()["spark-01"] == 0, "an untouched host changed on the second run"
+    assert second.changed()["spark-02"] > 0 and second.changed()["spark-03"] > 0
+    assert hub.file_bytes_served() == served_before, "the repair went back to the hub"
+    expected = sha256_on(fleet, "spark-01", weights_path)
+    assert sha256_on(fleet, "spark-02", weights_path) == expected
+    assert sha256_on(fleet, "spark-03", f"{CACHE_DIR}/tiny-dflash/config.json") == sha256_on(
+        fleet, "spark-01", f"{CACHE_DIR}/tiny-dflash/config.json"
+    )
+    assert "model_cache spark-02: 2 hub models, 12 files," in second.output and "sent 1 files" in second.output
+
+
+def test_a_branch_is_refused_before_any_request(fleet, hub: HubDouble, tmp_path: Path) -> None:  # noqa: ANN001
+    hub.add_revision("org/branchy", MODELS / "tiny-qwen3-dflash")
+    hub.reset_log()
+    args = write_run(tmp_path, hub, [{"name": "branchy", "repo": "org/branchy", "revision": "main"}])
+    run = run_playbook(*args, timeout=300)
+    assert run.returncode != 0
+    assert "revision 'main' of org/branchy is not a full 40-hex commit" in run.output
+    assert "e.g. revision: 6c7242c934a9870d7c59c05240bdbb2467cc1394" in run.output
+    assert hub.log == []
+    assert fleet.ssh("spark-01", f"test -e {CACHE_DIR}/branchy").returncode != 0
