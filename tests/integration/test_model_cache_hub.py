@@ -18,7 +18,7 @@ import pytest
 from tests.hub.server import HubDouble
 from tests.integration.conftest import run_playbook
 
-pytestmark = [pytest.mark.sandbox]
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "build" / "models"
