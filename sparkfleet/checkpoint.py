@@ -910,12 +910,13 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def run_hybrid(args: argparse.Namespace) -> int:
     try:
-        if args.no_error_report and not args.donor:
+        donor = open_donor(args.donor, args.donor_revision, args.donor_cache_dir)
+        if args.no_error_report and donor is None:
             raise CheckpointError("--no-error-report needs --donor (quantizing here always measures the error)")
         options = BuildOptions(
             base=args.base,
             out=args.out,
-            donor=open_donor(args.donor, args.donor_revision, args.donor_cache_dir),
+            donor=donor,
             scales=args.scales,
             module_pattern=args.modules,
             error_report=not args.no_error_report,
