@@ -814,10 +814,22 @@ def _write_hybrid(
         "bytes_written": sum(s["size"] for s in written_shards),
         "seconds": round(seconds, 3),
         "mb_per_s": round(sum(s["size"] for s in written_shards) / 1e6 / max(seconds, 1e-9), 1),
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
     }
     (staging / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS. VmHWM, where Linux has it: ru_maxrss of an exec'd child also counts the RSS
+    its parent had when it forked (the kernel keeps the forked mm's high-water mark across exec)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _prod(shape: tuple[int, ...]) -> int:
