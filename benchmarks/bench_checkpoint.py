@@ -8,12 +8,12 @@ GB (the real checkpoint has ~4.6 GB shards; use 1-2 GB where disk is short), wit
 INT4 bytes are noise, the BF16 shared experts are N(0, 0.02) (so the FP8 error figures are those of Gaussian
 weights, not of the real model's).
 
-Each build runs in its own process (`python -m sparkfleet checkpoint hybrid-fp8`); the benchmark reports its
-wall time, MB/s (bytes written / wall time, process start and torch import included) and peak RSS (VmHWM,
-as the build records it in its manifest), for: quantizing here (block scales), taking the FP8 tensors from a donor with the error
-report, and from a donor with --no-error-report (no torch: the streaming copy alone). A plain file copy of
-the same shards gives the machine's ceiling. The base was just written, so it is likely in the page cache
-(caches are not dropped on a shared machine): the figures are the tool's, not the disk's cold read speed.
+Each build runs in its own process (`python -m sparkfleet checkpoint hybrid-fp8`). Reported per run: wall
+time, MB/s (bytes written / wall time, process start and torch import included) and peak RSS (VmHWM, as the
+build records it in its manifest). Runs: quantizing here (block scales); taking the FP8 tensors from a donor
+with the error report; from a donor with --no-error-report (no torch: the streaming copy alone). A plain
+file copy of the same shards gives the machine's ceiling. The base was just written, so it is likely in the
+page cache (caches are not dropped on a shared machine): the figures are the tool's, not a cold disk's.
 
     build/venv-vllm/bin/python benchmarks/bench_checkpoint.py --work DIR [--layers 3] [--shard-gb 1.5]
         [--json OUT.json] [--update-doc docs/dense-checkpoint.md] [--keep]
