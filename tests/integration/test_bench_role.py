@@ -1,0 +1,112 @@
+"""`playbooks/bench.yml` (the serve_bench role) on one deployed sandbox host, in quick mode (issue 6).
+
+Needs a host already serving a profile (tests/integration/test_deploy.py deploys `dflash`); the test
+reads what it serves from its /etc/sparkfleet/state.json, benchmarks it with `--limit`, and checks
+that the result JSON of every method landed under results/<host>/ with the identity the issue asks
+for (host, profile, patch set, model and drafter revisions, vLLM version, time, figures), that the
+decode client's TPOT agrees with the server's /metrics within 5 %, and that the service was not
+restarted. It stops and reconfigures nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.conftest import ROOT, run_playbook
+
+pytestmark = [pytest.mark.sandbox]
+
+METHODS = ["decode", "e2e", "serving"]
+# The tiny models stop after a few tokens and have a 512-token context: generate past EOS, and leave out
+# the ~740-token agent prompts. The comparison is recorded but does not fail the test: baselines are
+# checked by tests/unit/test_serve_bench_roles.py, and this machine's load moves the sandbox's figures.
+QUICK_VARS = {
+    "serve_bench_quick": True,
+    "serve_bench_methods": METHODS,
+    "serve_bench_ignore_eos": True,
+    "serve_bench_decode_workloads": ["prose", "code", "counting"],
+    "serve_bench_fail_on_regression": False,
+}
+TPOT_AGREEMENT = 0.05
+
+
+def host_state(sandbox_fleet: Any, host: str) -> dict[str, Any] | None:
+    """The host's state.json when its unit is active and /health answers, else None."""
+    read = sandbox_fleet.ssh(host, "cat /etc/sparkfleet/state.json")
+    if read.returncode != 0:
+        return None
+    state = json.loads(read.stdout)
+    active = sandbox_fleet.ssh(host, f"systemctl is-active {shlex.quote(state['unit'])}").stdout.strip()
+    health = sandbox_fleet.ssh(
+        host,
+        f"python3 -c \"import urllib.request;urllib.request.urlopen('http://127.0.0.1:{state['port']}/health',timeout=10)\"",
+    )
+    return state if active == "active" and health.returncode == 0 else None
+
+
+def main_pid(sandbox_fleet: Any, host: str, unit: str) -> str:
+    return sandbox_fleet.ssh(host, f"systemctl show -p MainPID --value {shlex.quote(unit)}").stdout.strip()
+
+
+def test_bench_playbook_quick_on_one_host(sandbox_hosts: list[str], sandbox_fleet: Any, tmp_path: Path) -> None:
+    serving = [(host, state) for host in sandbox_hosts if (state := host_state(sandbox_fleet, host))]
+    if not serving:
+        pytest.skip("no sandbox host serves a profile yet: deploy first (tests/integration/test_deploy.py)")
+    host, state = serving[0]
+    pid_before = main_pid(sandbox_fleet, host, state["unit"])
+    results_dir = ROOT / "results" / host
+    before = set(results_dir.glob("*.json")) if results_dir.is_dir() else set()
+    extra = tmp_path / "bench-vars.json"
+    extra.write_text(json.dumps(QUICK_VARS), encoding="utf-8")
+
+    run = run_playbook("playbooks/bench.yml", "--limit", host, "-e", f"@{extra}", timeout=600)
+
+    assert run.returncode == 0, run.output[-4000:]
+    assert set(run.recap) == {host}, run.recap  # --limit: nothing else touched
+    new = sorted(set(results_dir.glob("*.json")) - before)
+    assert [p.name.rsplit("-", 1)[1] for p in new] == [f"{m}.json" for m in sorted(METHODS)], new
+    assert len({p.name.rsplit("-", 1)[0] for p in new}) == 1  # one stamp for the run
+
+    target = Path(state["model_path"]).name
+    drafter = Path(state["drafter_path"]).name if state.get("drafter_path") else None
+    results = {}
+    for path in new:
+        result = json.loads(path.read_text())
+        results[result["kind"]] = result
+        assert result["schema"] == "sparkfleet-bench/1"
+        assert result["host"] == host
+        assert result["profile"] == state["profile"]
+        assert result["patch_set"] == state["patchset_id"]
+        assert result["vllm_version"] == state["vllm_version"]
+        assert result["model"]["revision"] == state["model_revisions"][target]
+        assert result["drafter"]["revision"] == (state["model_revisions"][drafter] if drafter else None)
+        assert result["utc_time"].endswith("Z")
+        if result["kind"] != "serving":
+            assert result["settings"]["max_tokens_scale"] == 0.125  # quick mode
+    assert set(results) == set(METHODS)
+
+    decode = results["decode"]["figures"]
+    assert decode["decode_tok_s_median"] > 0
+    assert decode["server_decode_tok_s_median"] > 0
+    # the honesty figures: the client's TPOT against the server's /metrics, and the client's CPU share
+    assert isinstance(decode["tpot_relative_difference_median"], float)
+    assert abs(decode["tpot_relative_difference_median"]) <= TPOT_AGREEMENT, results["decode"]["details"].get(
+        "tpot_agreement_per_request"
+    )
+    assert 0 < decode["client_cpu_share"] < 1
+    assert results["e2e"]["figures"]["e2e_tok_s"] > 0
+    assert results["serving"]["figures"]["serving_completed"] == 8
+    assert results["serving"]["figures"]["serving_failed"] == 0
+    if drafter:  # speculative profile: acceptance read from /metrics
+        assert results["e2e"]["figures"]["acceptance_length"] >= 1
+    assert "honesty: client TPOT vs server /metrics: median per-request difference" in run.output
+
+    # latest.json on the host is the run's last result; the service kept running, untouched
+    latest = json.loads(sandbox_fleet.ssh(host, "cat /var/lib/sparkfleet/bench/latest.json").stdout)
+    assert latest == results[METHODS[-1]]
+    assert main_pid(sandbox_fleet, host, state["unit"]) == pid_before
