@@ -142,6 +142,19 @@ def test_chat_template_renders_chatml_and_tool_calls(quick_models: Path) -> None
     assert len(tokenizer.encode("<|im_start|><|im_end|><tool_call>", add_special_tokens=False)) == 3
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen35", "tiny-qwen3-dflash"])
+def test_serving_tokenizer_matches_training_tokenizer(quick_models: Path, name: str) -> None:
+    # transformers picks the tokenizer class by model_type (Qwen3_5Tokenizer rebuilds the pipeline in
+    # code): what vLLM serves with must split text exactly as the builder did while training.
+    from transformers import AutoTokenizer
+
+    served = AutoTokenizer.from_pretrained(str(quick_models / name))
+    trained = tiny_models.load_tokenizer(quick_models / name)
+    for text in ("1 2 3 4 10 11 12", "The capital of France is Paris.", "Ünïcode  spaces\n\nnew lines"):
+        assert served(text, add_special_tokens=False)["input_ids"] == trained.encode(text).ids, text
+        assert served.decode(trained.encode(text).ids) == text
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen35"])
 def test_transformers_loads_and_generates(quick_models: Path, name: str) -> None:
     import torch
