@@ -82,7 +82,8 @@ def test_bench_playbook_quick_on_one_host(sandbox_hosts: list[str], sandbox_flee
         assert result["host"] == host
         assert result["profile"] == state["profile"]
         assert result["patch_set"] == state["patchset_id"]
-        assert result["vllm_version"] == state["vllm_version"]
+        # the server's GET /version (vLLM's own version, without the wheel's local tag, which patch_set carries)
+        assert result["vllm_version"] and state["vllm_version"].startswith(result["vllm_version"])
         assert result["model"]["revision"] == state["model_revisions"][target]
         assert result["drafter"]["revision"] == (state["model_revisions"][drafter] if drafter else None)
         assert result["utc_time"].endswith("Z")

@@ -295,25 +295,27 @@ def health_vars(port: str, **overrides: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    ("stub_kwargs", "overrides", "message"),
+    ("stub_kwargs", "overrides", "message", "acceptance_runs"),
     [
-        ({}, {}, None),
+        ({}, {}, None, 1),
         (
             {"tool_name": "get_time"},
             {},
             'failed on localhost at "Run a chat request offering a tool, expect a call of get_weather"',
+            0,  # stopped at the tool call
         ),
-        ({"acceptance_length": 1.5}, {}, "mean acceptance length 1.5 (1 + 21 accepted / 42 drafts over 64 tokens"),
+        ({"acceptance_length": 1.5}, {}, "mean acceptance length 1.5 (1 + 21 accepted / 42 drafts over 64 tokens", 1),
         (
             {"tool_name": "get_time", "acceptance_length": 1.5},
             {"serve_health_tool_call_expect_name": "", "serve_health_min_acceptance_length": 0},
             None,
+            0,  # acceptance check off
         ),
     ],
     ids=["healthy", "wrong-tool", "low-acceptance", "checks-relaxed"],
 )
 def test_health_tool_call_and_acceptance(
-    tmp_path: Path, stub_kwargs: dict[str, Any], overrides: dict[str, Any], message: str | None
+    tmp_path: Path, stub_kwargs: dict[str, Any], overrides: dict[str, Any], message: str | None, acceptance_runs: int
 ) -> None:
     stub = HealthStub(**stub_kwargs)
     httpd, port = serve(stub.handler())
@@ -331,8 +333,7 @@ def test_health_tool_call_and_acceptance(
     assert len(tool_requests) == 1
     assert tool_requests[0]["tool_choice"] == "auto" and tool_requests[0]["temperature"] == 0
     assert tool_requests[0]["tools"][0]["function"]["name"] == "get_weather"
-    acceptance_runs = [b for b in stub.bodies if b.get("prompt") == "1 2 3 4 5 6 7 8"]
-    assert len(acceptance_runs) == (0 if overrides.get("serve_health_min_acceptance_length") == 0 else 1)
+    assert len([b for b in stub.bodies if b.get("prompt") == "1 2 3 4 5 6 7 8"]) == acceptance_runs
 
 
 # ------------------------------------------------------------------------------ contracts and filter
