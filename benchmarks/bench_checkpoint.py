@@ -11,9 +11,10 @@ weights, not of the real model's).
 Each build runs in its own process (`python -m sparkfleet checkpoint hybrid-fp8`). Reported per run: wall
 time, MB/s (bytes written / wall time, process start and torch import included) and peak RSS (VmHWM, as the
 build records it in its manifest). Runs: quantizing here (block scales); taking the FP8 tensors from a donor
-with the error report; from a donor with --no-error-report (no torch: the streaming copy alone). A plain
-file copy of the same shards gives the machine's ceiling. The base was just written, so it is likely in the
-page cache (caches are not dropped on a shared machine): the figures are the tool's, not a cold disk's.
+with the error report; from a donor with --no-error-report (no torch: the streaming copy alone), also with
+--no-hash; importing torch alone. A plain file copy of the same shards gives the machine's ceiling. The base
+was just written, so it is likely in the page cache (caches are not dropped on a shared machine): the figures
+are the tool's, not a cold disk's.
 
     build/venv-vllm/bin/python benchmarks/bench_checkpoint.py --work DIR [--layers 3] [--shard-gb 1.5]
         [--json OUT.json] [--update-doc docs/dense-checkpoint.md] [--keep]
@@ -172,6 +173,17 @@ def run_build(args: list[str]) -> dict[str, Any]:
     return {"seconds": seconds, "peak_rss_mib": manifest["peak_rss_mib"], "build_seconds": manifest["seconds"]}
 
 
+def torch_import_rss() -> dict[str, Any]:
+    """What importing torch alone costs in time and RSS (it dominates the builds that use it)."""
+    code = (
+        "import time; t = time.monotonic(); import torch; from sparkfleet.checkpoint import peak_rss_mib; "
+        "print(time.monotonic() - t, peak_rss_mib())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    seconds, rss = (float(v) for v in out.stdout.split())
+    return {"seconds": seconds, "peak_rss_mib": rss, "mb_per_s": None}
+
+
 def copy_ceiling(base: Path, dest: Path) -> dict[str, Any]:
     dest.mkdir()
     started = time.monotonic()
@@ -214,9 +226,15 @@ def measure(work: Path, layers: int, shard_gb: float) -> dict[str, Any]:
     results["donor, no error report (no torch)"] = run_build(
         ["--base", str(base), "--out", str(donor_built), "--donor", str(quantized), "--no-error-report"]
     )
+    shutil.rmtree(donor_built)
+    print("donor, --no-error-report --no-hash", flush=True)
+    results["donor, no error report, no sha256"] = run_build(
+        ["--base", str(base), "--out", str(donor_built), "--donor", str(quantized), "--no-error-report", "--no-hash"]
+    )
     written = json.loads((donor_built / MANIFEST_NAME).read_text())["bytes_written"]
+    results["import torch alone (RSS baseline)"] = torch_import_rss()
     for result in results.values():
-        if "mb_per_s" not in result:
+        if "mb_per_s" not in result and "build_seconds" in result:
             result["mb_per_s"] = written / 1e6 / result["seconds"]
     return {
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load_avg_1m": os.getloadavg()[0]},
@@ -251,7 +269,8 @@ def render(result: dict[str, Any]) -> str:
     ]
     for name, run in result["runs"].items():
         rss = f"{run['peak_rss_mib']:.0f}" if "peak_rss_mib" in run else "-"
-        lines.append(f"| {name} | {run['seconds']:.1f} | {run['mb_per_s']:.0f} | {rss} |")
+        rate = f"{run['mb_per_s']:.0f}" if run.get("mb_per_s") else "-"
+        lines.append(f"| {name} | {run['seconds']:.1f} | {rate} | {rss} |")
     errors = result["fp8_error_summary"]
     lines += [
         "",
@@ -306,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         head, rest = doc.split(DOC_BEGIN, 1)
         args.update_doc.write_text(head + text + rest.split(DOC_END, 1)[1])
-    fastest = max(result["runs"].items(), key=lambda item: item[1]["mb_per_s"])
+    fastest = max(
+        ((name, run) for name, run in result["runs"].items() if run.get("mb_per_s")),
+        key=lambda item: item[1]["mb_per_s"],
+    )
     print(
         f"benchmark done: {len(result['runs'])} runs on {result['base_bytes'] / 1e9:.2f} GB, fastest {fastest[0]} "
         f"at {fastest[1]['mb_per_s']:.0f} MB/s; synthetic checkpoints {'kept' if args.keep else 'deleted'}"
