@@ -45,6 +45,8 @@ from sparkfleet.safetensors_stream import (
     ShardEntry,
     ShardHeader,
     TensorInfo,
+    header_length,
+    parse_header,
     read_header,
     read_tensor_bytes,
     write_shard,
@@ -312,6 +314,28 @@ class Donor:
     def identity(self) -> dict[str, Any]:
         raise NotImplementedError
 
+    def locate(self, wanted: dict[str, str]) -> dict[str, tuple[Path, TensorInfo]]:
+        """Where each wanted tensor (name -> donor shard, from the index) can be read locally.
+
+        Here: every shard that holds one is opened (a Hub donor downloads it whole, once, into the HF cache).
+        """
+        located: dict[str, tuple[Path, TensorInfo]] = {}
+        self.fetched = sorted(set(wanted.values()))
+        for shard in self.fetched:
+            path = self.shard_path(shard)
+            try:
+                header = read_header(path)
+            except SafetensorsError as error:
+                raise CheckpointError(f"donor {self.description}: {error}") from error
+            for name in (n for n, s in wanted.items() if s == shard):
+                if name not in header.tensors:
+                    raise CheckpointError(f"donor {self.description}: index puts {name} in {shard}, which lacks it")
+                located[name] = (path, header.tensors[name])
+        return located
+
+    def fetch_record(self) -> dict[str, Any]:
+        return {"mode": "shards", "shards": list(getattr(self, "fetched", []))}
+
 
 class LocalDonor(Donor):
     def __init__(self, path: Path) -> None:
@@ -349,7 +373,6 @@ class HubDonor(Donor):
         self.repo, self.revision, self.cache_dir = repo, revision, cache_dir
         self.description = f"{repo}@{revision}"
         self._index = read_index(self._download(INDEX_NAME))
-        self.fetched: list[str] = []
 
     def _download(self, filename: str) -> Path:
         try:
@@ -370,23 +393,118 @@ class HubDonor(Donor):
         return dict(self._index["weight_map"])
 
     def shard_path(self, shard: str) -> Path:
-        self.fetched.append(shard)
         return self._download(shard)
 
     def identity(self) -> dict[str, Any]:
         return {"kind": "hub", "repo": self.repo, "revision": self.revision}
 
 
-def open_donor(spec: str | None, revision: str | None, cache_dir: Path | None) -> Donor | None:
+RangeReader = Callable[[str, int, int], bytes]  # (file in the repo, start, length) -> exactly those bytes
+
+
+class HubRangeDonor(HubDonor):
+    """A Hub donor read by HTTP ranges: each needed shard's header, then only the wanted tensors' bytes.
+
+    The wanted tensors are written, one at a time, into a small local extract (a safetensors file in the
+    cache, named by the donor commit and the set of tensors), which a rerun reuses. For the 122B this
+    reads ~0.5 GB instead of the donor shards that hold the shared experts (most of its ~120 GB).
+    """
+
+    def __init__(self, repo: str, revision: str, cache_dir: Path | None, read_range: RangeReader | None = None) -> None:
+        super().__init__(repo, revision, cache_dir)
+        self._read_range = read_range or self._http_range
+        self.bytes_fetched = 0
+        self.extract: Path | None = None
+
+    def _http_range(self, filename: str, start: int, length: int) -> bytes:
+        from huggingface_hub import get_session, hf_hub_url
+        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
+
+        url = hf_hub_url(self.repo, filename, revision=self.revision)
+        headers = build_hf_headers()
+        headers["Range"] = f"bytes={start}-{start + length - 1}"
+        data = bytearray()
+        with get_session().stream("GET", url, headers=headers, follow_redirects=True) as response:
+            hf_raise_for_status(response)
+            if response.status_code != 206 and start:
+                raise CheckpointError(
+                    f"donor {self.description}: the server ignored a range request for {filename} "
+                    f"(HTTP {response.status_code}); use --donor-fetch shards"
+                )
+            for chunk in response.iter_bytes():
+                data += chunk
+                if len(data) >= length:
+                    break  # a server may send past the range's end; never read more than asked
+        if len(data) < length:
+            raise CheckpointError(f"donor {self.description}: {filename} bytes {start}+{length} came back short")
+        return bytes(data[:length])
+
+    def _fetch(self, filename: str, start: int, length: int) -> bytes:
+        data = self._read_range(filename, start, length)
+        if len(data) != length:
+            raise CheckpointError(f"donor {self.description}: {filename} bytes {start}+{length} came back short")
+        self.bytes_fetched += length
+        return data
+
+    def locate(self, wanted: dict[str, str]) -> dict[str, tuple[Path, TensorInfo]]:
+        from huggingface_hub import constants
+
+        root = Path(self.cache_dir or constants.HF_HUB_CACHE) / "sparkfleet-donor-extracts"
+        key = hashlib.sha256(json.dumps(sorted(wanted.items())).encode()).hexdigest()[:16]
+        extract = root / f"{self.repo.replace('/', '--')}@{self.revision}" / f"extract-{key}.safetensors"
+        self.extract = extract
+        if extract.is_file():
+            try:
+                header = read_header(extract)
+                if set(header.tensors) == set(wanted):
+                    return {name: (extract, header.tensors[name]) for name in wanted}
+            except SafetensorsError:
+                pass  # rebuilt below
+        remote: dict[str, TensorInfo] = {}
+        for shard in sorted(set(wanted.values())):
+            where = f"{self.repo}@{self.revision[:12]}/{shard}"
+            try:
+                length = header_length(self._fetch(shard, 0, 8), where)
+                header = parse_header(self._fetch(shard, 8, length), where)
+            except SafetensorsError as error:
+                raise CheckpointError(f"donor {self.description}: {error}") from error
+            for name in (n for n, s in wanted.items() if s == shard):
+                if name not in header.tensors:
+                    raise CheckpointError(f"donor {self.description}: index puts {name} in {shard}, which lacks it")
+                remote[name] = header.tensors[name]
+        entries = [
+            ShardEntry(
+                name,
+                info.dtype,
+                info.shape,
+                lambda name=name, info=info: self._fetch(wanted[name], info.start, info.nbytes),
+            )
+            for name, info in sorted(remote.items())
+        ]
+        extract.parent.mkdir(parents=True, exist_ok=True)
+        print(f"  reading {len(entries)} donor tensors by range into {extract}", flush=True)
+        write_shard(extract, entries, {"format": "pt", "source": self.description}, hash_output=False)
+        header = read_header(extract)
+        return {name: (extract, header.tensors[name]) for name in wanted}
+
+    def fetch_record(self) -> dict[str, Any]:
+        return {"mode": "ranges", "bytes": self.bytes_fetched, "extract": str(self.extract) if self.extract else None}
+
+
+def open_donor(spec: str | None, revision: str | None, cache_dir: Path | None, fetch: str = "shards") -> Donor | None:
     if spec is None:
         if revision:
             raise CheckpointError("--donor-revision without --donor; name the donor repo or drop the revision")
         return None
     if Path(spec).is_dir():
+        if fetch != "shards":
+            raise CheckpointError(f"--donor-fetch {fetch} is for a Hub donor; {spec} is a local directory")
         return LocalDonor(Path(spec))
     if re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
         if not revision:
             raise CheckpointError(f"--donor {spec} is a Hub repo: pin it with --donor-revision <40-hex commit>")
+        if fetch == "ranges":
+            return HubRangeDonor(spec, revision, cache_dir)
         return HubDonor(spec, revision, cache_dir)
     raise CheckpointError(f"--donor {spec!r} is neither a directory nor a Hub repo id (owner/name)")
 
@@ -492,23 +610,12 @@ def _plan_donor(plans: dict[str, ModulePlan], donor: Donor) -> None:
             name = f"{module}.{suffix}"
             if name in weight_map:
                 wanted[name] = weight_map[name]
-    shard_headers: dict[str, tuple[Path, ShardHeader]] = {}
-    for shard in sorted(set(wanted.values())):
-        path = donor.shard_path(shard)
-        try:
-            shard_headers[shard] = (path, read_header(path))
-        except SafetensorsError as error:
-            raise CheckpointError(f"donor {donor.description}: {error}") from error
+    located = donor.locate(wanted)
     for module, plan in plans.items():
         for suffix in ("weight", *FP8_SCALE_NAMES):
             name = f"{module}.{suffix}"
-            if name not in wanted:
-                continue
-            path, header = shard_headers[wanted[name]]
-            info = header.tensors.get(name)
-            if info is None:
-                raise CheckpointError(f"donor {donor.description}: index puts {name} in {wanted[name]}, which lacks it")
-            plan.donor_tensors[suffix] = (path, info)
+            if name in located:
+                plan.donor_tensors[suffix] = located[name]
         weight = plan.donor_tensors["weight"][1]
         if weight.dtype != "F8_E4M3":
             raise CheckpointError(
@@ -791,9 +898,7 @@ def _write_hybrid(
         "source": source,
         "inputs_fingerprint": fingerprint,
         "options": _options_record(options),
-        "donor_shards_fetched": sorted(
-            {str(p.name) for plan in plans.values() for p, _ in plan.donor_tensors.values()}
-        ),
+        "donor_fetch": options.donor.fetch_record() if options.donor else None,
         "fp8_modules": {
             module: {
                 "shape": list(plan.base_weight.shape),
@@ -882,6 +987,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(only the shards holding the wanted tensors are fetched); omit to quantize here",
     )
     hybrid.add_argument("--donor-revision", help="40-hex commit of a Hub --donor")
+    hybrid.add_argument(
+        "--donor-fetch",
+        choices=("shards", "ranges"),
+        default="shards",
+        help="Hub donor: download the shards holding the wanted tensors (default), or read only the wanted "
+        "tensors by HTTP range into a small extract",
+    )
     hybrid.add_argument("--donor-cache-dir", type=Path, help="Hugging Face cache for a Hub donor (default: HF_HOME's)")
     hybrid.add_argument(
         "--scales",
@@ -922,7 +1034,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def run_hybrid(args: argparse.Namespace) -> int:
     try:
-        donor = open_donor(args.donor, args.donor_revision, args.donor_cache_dir)
+        donor = open_donor(args.donor, args.donor_revision, args.donor_cache_dir, args.donor_fetch)
         if args.no_error_report and donor is None:
             raise CheckpointError("--no-error-report needs --donor (quantizing here always measures the error)")
         options = BuildOptions(

@@ -85,31 +85,32 @@ class ShardHeader:
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
 
 
-def read_header(path: Path) -> ShardHeader:
-    """Read and validate a shard's header (a few KB of I/O, whatever the shard's size)."""
-    path = Path(path)
-    try:
-        file_size = path.stat().st_size
-        with path.open("rb") as handle:
-            prefix = handle.read(8)
-            if len(prefix) != 8:
-                raise SafetensorsError(f"{path}: {file_size} bytes, too short for a safetensors header")
-            (header_len,) = struct.unpack("<Q", prefix)
-            if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
-                raise SafetensorsError(
-                    f"{path}: header length {header_len} does not fit a {file_size}-byte file; "
-                    "the file is truncated or not safetensors"
-                )
-            raw = handle.read(header_len)
-    except OSError as error:
-        raise SafetensorsError(f"{path}: cannot read ({error.strerror})") from error
+def header_length(prefix: bytes, where: str, file_size: int | None = None) -> int:
+    """The JSON header's length from a shard's first 8 bytes (checked against the file size when known)."""
+    if len(prefix) != 8:
+        raise SafetensorsError(f"{where}: {len(prefix)} bytes, too short for a safetensors header")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_BYTES or (file_size is not None and 8 + length > file_size):
+        raise SafetensorsError(
+            f"{where}: header length {length} does not fit a {file_size}-byte file; "
+            "the file is truncated or not safetensors"
+        )
+    return length
+
+
+def parse_header(raw: bytes, where: str, file_size: int | None = None) -> ShardHeader:
+    """Parse and validate a JSON header read from `where` (a path, or a URL for range reads).
+
+    With `file_size` the tensor data must end exactly at the end of the file; without it (a remote shard
+    read by ranges) only contiguity is checked.
+    """
     try:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise SafetensorsError(f"{path}: header is not JSON ({error})") from error
+        raise SafetensorsError(f"{where}: header is not JSON ({error})") from error
     if not isinstance(header, dict):
-        raise SafetensorsError(f"{path}: header is a {type(header).__name__}, not a JSON object")
-    data_start = 8 + header_len
+        raise SafetensorsError(f"{where}: header is a {type(header).__name__}, not a JSON object")
+    data_start = 8 + len(raw)
     metadata = header.pop("__metadata__", None) or {}
     entries: list[TensorInfo] = []
     for name, info in header.items():
@@ -118,12 +119,12 @@ def read_header(path: Path) -> ShardHeader:
             shape = tuple(int(dim) for dim in info["shape"])
             begin, end = (int(offset) for offset in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as error:
-            raise SafetensorsError(f"{path}: tensor {name!r} has a malformed header entry {info!r}") from error
+            raise SafetensorsError(f"{where}: tensor {name!r} has a malformed header entry {info!r}") from error
         if dtype not in DTYPE_SIZES:
-            raise SafetensorsError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+            raise SafetensorsError(f"{where}: tensor {name!r} has unknown dtype {dtype!r}")
         if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
             raise SafetensorsError(
-                f"{path}: tensor {name!r} spans {end - begin} bytes, but {dtype} {list(shape)} needs "
+                f"{where}: tensor {name!r} spans {end - begin} bytes, but {dtype} {list(shape)} needs "
                 f"{math.prod(shape) * DTYPE_SIZES[dtype]}"
             )
         entries.append(TensorInfo(name, dtype, shape, data_start + begin, data_start + end))
@@ -132,15 +133,33 @@ def read_header(path: Path) -> ShardHeader:
     for info in entries:
         if info.start != cursor:
             raise SafetensorsError(
-                f"{path}: tensor {info.name!r} starts at byte {info.start}, expected {cursor} "
+                f"{where}: tensor {info.name!r} starts at byte {info.start}, expected {cursor} "
                 "(tensor data must be contiguous, without holes or overlaps)"
             )
         cursor = info.end
-    if cursor != file_size:
+    if file_size is not None and cursor != file_size:
         raise SafetensorsError(
-            f"{path}: tensor data ends at byte {cursor} but the file has {file_size} bytes (truncated download?)"
+            f"{where}: tensor data ends at byte {cursor} but the file has {file_size} bytes (truncated download?)"
         )
-    return ShardHeader(path, file_size, data_start, dict(metadata), {info.name: info for info in entries})
+    return ShardHeader(
+        Path(where), file_size if file_size is not None else cursor, data_start, dict(metadata),
+        {info.name: info for info in entries},
+    )  # fmt: skip
+
+
+def read_header(path: Path) -> ShardHeader:
+    """Read and validate a shard's header (a few KB of I/O, whatever the shard's size)."""
+    path = Path(path)
+    try:
+        file_size = path.stat().st_size
+        with path.open("rb") as handle:
+            length = header_length(handle.read(8), str(path), file_size)
+            raw = handle.read(length)
+    except OSError as error:
+        raise SafetensorsError(f"{path}: cannot read ({error.strerror})") from error
+    header = parse_header(raw, str(path), file_size)
+    header.path = path
+    return header
 
 
 def read_tensor_bytes(path: Path, info: TensorInfo) -> bytes:

@@ -175,10 +175,10 @@ def _donor_with_unrelated_shard(tmp_path: Path, donor: Path) -> Path:
 class _RecordingDonor(LocalDonor):
     def __init__(self, path: Path) -> None:
         super().__init__(path)
-        self.fetched: list[str] = []
+        self.opened: list[str] = []
 
     def shard_path(self, shard: str) -> Path:
-        self.fetched.append(shard)
+        self.opened.append(shard)
         return super().shard_path(shard)
 
 
@@ -188,7 +188,7 @@ def test_donor_build_copies_fp8_tensors_and_everything_else_unchanged(tmp_path: 
     manifest = build_hybrid(BuildOptions(base=ckpts["none"], out=out, donor=donor, error_report=False), log=_quiet)
     assert manifest["changed"] is True
     # Only the donor shards that hold wanted tensors (found through its index) were opened.
-    assert sorted(donor.fetched) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert sorted(donor.opened) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     base, donor_bytes, result = _all_bytes(ckpts["none"]), _all_bytes(donor.path), _all_bytes(out)
     for name, value in result.items():
         module = name.rpartition(".")[0]
@@ -236,20 +236,16 @@ def test_hub_donor_fetches_only_the_needed_shards(
         pytest.skip("huggingface_hub is not installed here")
     donor = _donor_with_unrelated_shard(tmp_path, ckpts["block"])
     # An offline HF cache at a pinned commit that lacks the unrelated shard: fetching it would fail.
-    snapshot = tmp_path / "hf" / "models--org--fp8" / "snapshots" / HUB_REVISION
-    snapshot.mkdir(parents=True)
-    for name in (INDEX_NAME, "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
-        shutil.copyfile(donor / name, snapshot / name)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    files = (INDEX_NAME, "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+    cache = _offline_snapshot(tmp_path, donor, files, monkeypatch)
     code = cli_main(
         ["checkpoint", "hybrid-fp8", "--base", str(ckpts["none"]), "--out", str(tmp_path / "h"), "--donor",
-         "org/fp8", "--donor-revision", HUB_REVISION, "--donor-cache-dir", str(tmp_path / "hf"), "--no-error-report"]
+         "org/fp8", "--donor-revision", HUB_REVISION, "--donor-cache-dir", str(cache), "--no-error-report"]
     )  # fmt: skip
     assert code == 0
     manifest = json.loads((tmp_path / "h" / MANIFEST_NAME).read_text())
     assert manifest["options"]["donor"] == {"kind": "hub", "repo": "org/fp8", "revision": HUB_REVISION}
-    assert manifest["donor_shards_fetched"] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert manifest["donor_fetch"]["shards"] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 
 
 @pytest.mark.parametrize(
@@ -321,3 +317,68 @@ def test_quantizing_without_torch_says_how_to_get_it(
     assert code == 2
     assert "need torch" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def _offline_snapshot(tmp_path: Path, donor: Path, files: tuple[str, ...], monkeypatch: pytest.MonkeyPatch) -> Path:
+    snapshot = tmp_path / "hf" / "models--org--fp8" / "snapshots" / HUB_REVISION
+    snapshot.mkdir(parents=True)
+    for name in files:
+        shutil.copyfile(donor / name, snapshot / name)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    return tmp_path / "hf"
+
+
+def test_range_donor_reads_only_headers_and_wanted_tensors(
+    tmp_path: Path, ckpts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if importlib.util.find_spec("huggingface_hub") is None:
+        pytest.skip("huggingface_hub is not installed here")
+    donor_dir = _donor_with_unrelated_shard(tmp_path, ckpts["block"])
+    # The cache holds only the index: a whole-shard download would fail offline.
+    cache = _offline_snapshot(tmp_path, donor_dir, (INDEX_NAME,), monkeypatch)
+    requests: list[tuple[str, int, int]] = []
+
+    def read_range(filename: str, start: int, length: int) -> bytes:  # the hub's HTTP range answers
+        requests.append((filename, start, length))
+        with (donor_dir / filename).open("rb") as handle:
+            handle.seek(start)
+            return handle.read(length)
+
+    donor = checkpoint.HubRangeDonor("org/fp8", HUB_REVISION, cache, read_range=read_range)
+    out = tmp_path / "ranged"
+    manifest = build_hybrid(BuildOptions(base=ckpts["none"], out=out, donor=donor, error_report=False), log=_quiet)
+    # Same output as from the whole local donor.
+    reference = tmp_path / "whole"
+    build_hybrid(
+        BuildOptions(base=ckpts["none"], out=reference, donor=LocalDonor(donor_dir), error_report=False), _quiet
+    )
+    for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        assert (out / shard).read_bytes() == (reference / shard).read_bytes()
+    # What was read: 2 header reads per shard holding wanted tensors, then exactly the 12 wanted tensors.
+    headers = {name: read_header(donor_dir / name) for name in ("model-00001-of-00002.safetensors",
+                                                               "model-00002-of-00002.safetensors")}  # fmt: skip
+    wanted = {f"{m}.{suffix}" for m in SHARED_MODULES for suffix in ("weight", "weight_scale_inv")}
+    expected = sum(h.data_start for h in headers.values()) + sum(
+        info.nbytes for h in headers.values() for name, info in h.tensors.items() if name in wanted
+    )
+    assert {filename for filename, _s, _l in requests} == set(headers)
+    assert len(requests) == 2 * len(headers) + len(wanted)
+    assert manifest["donor_fetch"] == {"mode": "ranges", "bytes": expected, "extract": str(donor.extract)}
+    assert expected < 0.25 * sum((donor_dir / name).stat().st_size for name in headers)
+    # A second build reuses the extract: no more requests.
+    requests.clear()
+    again = checkpoint.HubRangeDonor("org/fp8", HUB_REVISION, cache, read_range=read_range)
+    build_hybrid(BuildOptions(base=ckpts["none"], out=tmp_path / "again", donor=again, error_report=False), _quiet)
+    assert requests == []
+
+
+def test_range_fetch_is_for_hub_donors(
+    tmp_path: Path, ckpts: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli_main(
+        ["checkpoint", "hybrid-fp8", "--base", str(ckpts["none"]), "--out", str(tmp_path / "o"),
+         "--donor", str(ckpts["block"]), "--donor-fetch", "ranges", "--no-error-report"]
+    )  # fmt: skip
+    assert code == 2
+    assert "--donor-fetch ranges is for a Hub donor" in capsys.readouterr().err
