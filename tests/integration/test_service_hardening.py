@@ -1,0 +1,207 @@
+"""The serving unit's guards, on one sandbox host (issue 5: validation, memory guard, hardening, exposure).
+
+Runs after test_deploy.py has converged the fleet with the `dflash` profile and uses only the last host
+of the fleet. Each test drives the real deploy playbook against that host with a variable changed
+(`--tags vllm_service`, so only the serving role runs) and checks the effect on the host: a unit with a
+bad key never goes live, the hardened unit scores <= 3.0 and still serves, the API refuses to bind beyond
+loopback without a key and, with a key and an allow-list, answers only keyed requests from listed
+clients, and an over-subscribed start fails the unit through the memory guard while the host stays up.
+The host is put back into its converged `dflash` state at the end (a full deploy limited to it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Iterator
+
+import pytest
+
+from tests.integration.conftest import run_playbook
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+UNIT = "sparkfleet-vllm-dflash.service"
+UNIT_PATH = f"/etc/systemd/system/{UNIT}"
+FIREWALL_UNIT = "sparkfleet-vllm-firewall.service"
+PORT = 8000
+API_KEY = "sandbox-test-key-5"
+MAX_EXPOSURE = 3.0
+
+# GET url with an optional bearer key; prints the HTTP status, or "timeout"/"refused".
+HTTP_STATUS_SCRIPT = """
+import socket, sys, urllib.error, urllib.request
+request = urllib.request.Request(sys.argv[1])
+if len(sys.argv) > 2:
+    request.add_header("Authorization", "Bearer " + sys.argv[2])
+try:
+    print(urllib.request.urlopen(request, timeout=4).status)
+except urllib.error.HTTPError as error:
+    print(error.code)
+except (TimeoutError, socket.timeout):
+    print("timeout")
+except urllib.error.URLError as error:
+    print("timeout" if isinstance(error.reason, (TimeoutError, socket.timeout)) else "refused")
+"""
+
+
+def deploy(host: str, *extra: str, tags: str | None = "vllm_service"):
+    """The deploy playbook limited to host (only the serving role unless tags is None)."""
+    args = ["site.yml", "-e", "sparkfleet_profile=dflash", "--limit", host, *extra]
+    if tags:
+        args += ["--tags", tags]
+    return run_playbook(*args, timeout=900)
+
+
+class Host:
+    """One sandbox host, through the fleet's SSH helper."""
+
+    def __init__(self, fleet, name: str) -> None:
+        self.fleet = fleet
+        self.name = name
+        self.address = fleet.hosts[name]
+
+    def sh(self, command: str, timeout: float = 120) -> str:
+        result = self.fleet.ssh(self.name, command, timeout=timeout)
+        assert result.returncode == 0, f"{self.name}: `{command}` failed: {result.stdout}{result.stderr}"
+        return result.stdout.strip()
+
+    def show(self, *properties: str) -> dict[str, str]:
+        flags = " ".join(f"-p {p}" for p in properties)
+        lines = self.sh(f"systemctl show {flags} {UNIT}").splitlines()
+        return dict(line.split("=", 1) for line in lines)
+
+    def unit_identity(self) -> dict[str, str]:
+        """What must not move when a change is refused: the unit file, its process, its start time."""
+        return {
+            "sha256": self.sh(f"sha256sum {UNIT_PATH}").split()[0],
+            **self.show("MainPID", "ActiveState", "ActiveEnterTimestamp"),
+        }
+
+
+def http_status(fleet, from_host: str | None, url: str, key: str | None = None) -> str:
+    """HTTP status of GET url from a sandbox host, or from the controller when from_host is None."""
+    argv = ["python3", "-c", HTTP_STATUS_SCRIPT, url, *([key] if key else [])]
+    if from_host is None:
+        import subprocess
+
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    return fleet.ssh(from_host, shlex.join(argv), timeout=30).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def host(sandbox_fleet) -> Iterator[Host]:
+    """The fleet's last host, serving dflash; converged again with a full deploy afterwards."""
+    name = sandbox_fleet.names[-1]
+    target = Host(sandbox_fleet, name)
+    if target.fleet.ssh(name, f"systemctl is-active {UNIT}").stdout.strip() != "active":
+        converge = deploy(name, tags=None)
+        assert converge.returncode == 0, converge.output[-4000:]
+    yield target
+    # a fresh start count: these tests start the unit a few times within StartLimitIntervalSec
+    target.sh(f"systemctl reset-failed {UNIT} || true")
+    restore = deploy(name, tags=None)
+    assert restore.returncode == 0, restore.output[-4000:]
+    assert target.sh(f"systemctl is-active {UNIT}") == "active"
+    assert f"127.0.0.1:{PORT}" in target.sh(f"ss -Hltn 'sport = :{PORT}'")
+    assert "sparkfleet_vllm" not in target.sh("nft list tables 2>/dev/null || true")
+
+
+def test_a_unit_with_a_bad_key_never_goes_live(host: Host) -> None:
+    before = host.unit_identity()
+    assert before["ActiveState"] == "active"
+    bad = deploy(host.name, "-e", json.dumps({"vllm_service_extra_directives": {"NoSuchKey": "1"}}))
+    assert bad.returncode != 0
+    # systemd-analyze verify exits 0 here and only warns on stderr; the validate step reads it
+    assert "Unknown key 'NoSuchKey' in section [Service]" in bad.output
+    assert "Write the unit" in bad.output
+    assert host.unit_identity() == before
+
+
+def test_the_hardened_unit_scores_at_most_3_and_serves(host: Host) -> None:
+    report = host.sh(f"LC_ALL=C SYSTEMD_COLORS=0 systemd-analyze security --offline=yes --no-pager {UNIT_PATH}")
+    match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", report)
+    assert match, report[-2000:]
+    assert float(match.group(1)) <= MAX_EXPOSURE, report
+    # the hardening is in force on the running server, not only written down
+    pid = host.show("MainPID")["MainPID"]
+    status = host.sh(f"cat /proc/{pid}/status")
+    fields = dict(re.findall(r"^(\w+):\s+(.*)$", status, re.MULTILINE))
+    assert fields["NoNewPrivs"] == "1" and fields["Seccomp"] == "2"
+    assert int(fields["CapEff"], 16) == 0 and int(fields["CapBnd"], 16) == 0
+    assert host.sh(f"stat -c %U /proc/{pid}") == "vllm"
+    # ...and it still serves under it (the completion is the real model's)
+    request = json.dumps({"model": "qwen", "prompt": "1 2 3", "max_tokens": 4, "temperature": 0})
+    script = (
+        "import sys,urllib.request;"
+        f"r=urllib.request.Request('http://127.0.0.1:{PORT}/v1/completions',data=sys.argv[1].encode(),"
+        "headers={'Content-Type':'application/json'});"
+        "print(urllib.request.urlopen(r,timeout=60).read().decode())"
+    )
+    body = host.sh(f"python3 -c {shlex.quote(script)} {shlex.quote(request)}")
+    assert json.loads(body)["usage"]["completion_tokens"] >= 1
+
+
+def test_binding_beyond_loopback_without_a_key_is_refused(host: Host) -> None:
+    before = host.unit_identity()
+    refused = deploy(host.name, "-e", "sparkfleet_api_host=0.0.0.0")
+    assert refused.returncode != 0
+    assert "vllm_service_host 0.0.0.0 is reachable beyond this host but vllm_service_api_key is empty" in (
+        " ".join(refused.output.split())
+    )
+    assert refused.recap[host.name]["changed"] == 0
+    assert host.unit_identity() == before
+    assert f"127.0.0.1:{PORT}" in host.sh(f"ss -Hltn 'sport = :{PORT}'")
+
+
+def test_with_a_key_and_an_allow_list_only_listed_keyed_clients_get_in(host: Host, sandbox_fleet) -> None:
+    controller = host.sh("echo $SSH_CONNECTION").split()[0]
+    outsider = next(name for name in sandbox_fleet.names if name != host.name)
+    exposed = deploy(
+        host.name,
+        "-e",
+        json.dumps(
+            {
+                "sparkfleet_api_host": "0.0.0.0",
+                "sparkfleet_api_key": API_KEY,
+                "vllm_service_allowed_clients": [controller],
+            }
+        ),
+    )
+    assert exposed.returncode == 0, exposed.output[-4000:]
+    assert f"0.0.0.0:{PORT}" in host.sh(f"ss -Hltn 'sport = :{PORT}'")
+    assert host.sh(f"systemctl is-active {FIREWALL_UNIT}") == "active"
+    url = f"http://{host.address}:{PORT}/v1/models"
+    assert http_status(sandbox_fleet, None, url) == "401"
+    assert http_status(sandbox_fleet, None, url, API_KEY) == "200"
+    # another host is not on the list: its packets are dropped, key or not
+    assert http_status(sandbox_fleet, outsider, url, API_KEY) == "timeout"
+    ruleset = host.sh("nft list table inet sparkfleet_vllm")
+    dropped = re.search(r"counter packets (\d+) bytes \d+ drop", ruleset)
+    assert dropped and int(dropped.group(1)) >= 1, ruleset
+    # the secret is in the 0600 env file, not in the world-readable unit
+    assert API_KEY not in host.sh(f"cat {UNIT_PATH}")
+    assert host.sh("stat -c '%a %U' /etc/sparkfleet/vllm-dflash.env") == "600 vllm"
+
+
+def test_an_over_subscribed_start_fails_the_unit_and_the_host_stays_up(host: Host) -> None:
+    # 1 GiB is far below what the CPU server needs (~4.5 GB RSS): the start over-subscribes it
+    starved = deploy(host.name, "-e", "vllm_service_memory_max=1G")
+    assert starved.returncode != 0
+    state = host.show("ActiveState", "Result", "ExecMainStatus", "NRestarts")
+    # cgroup v2 hosts: the kernel's MemoryMax= may strike first (oom-kill); everywhere: the guard's 137
+    assert state["ActiveState"] == "failed", state
+    assert state["Result"] == "oom-kill" or (state["Result"] == "exit-code" and state["ExecMainStatus"] == "137"), state
+    assert state["NRestarts"] == "0", "restarted into the same over-subscription"
+    journal = host.sh(f"journalctl -u {UNIT} -n 200 --no-pager -o cat")
+    if state["Result"] == "exit-code":
+        assert re.search(r"memory guard: service memory \S+ GiB .* reached the limit 1\.00 GiB: killed", journal), (
+            journal
+        )
+    # the host is fine: it answers, its manager runs, nothing else failed
+    assert host.sh("systemctl is-system-running || true") in ("running", "degraded")
+    failed = host.sh("systemctl list-units --failed --plain --no-legend --no-pager").split()
+    assert [unit for unit in failed if unit.endswith(".service")] == [UNIT]
+    available_kib = int(host.sh("awk '/MemAvailable/ {print $2}' /proc/meminfo"))
+    assert available_kib > 2**20, f"{available_kib} KiB available"

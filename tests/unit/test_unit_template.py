@@ -1,0 +1,352 @@
+"""The vllm_service role's unit, rendered the way Ansible renders it, and the helpers the unit runs.
+
+The unit comes from templates/sparkfleet-vllm.service.j2 with the role's defaults and vars (ansible-core's
+own templating, so the role's lazy vars resolve as they do on a host). Checked here: one profile holds
+the GPU (Conflicts=), the start timeout covers the 122B's first load, the memory guard's limit comes
+from MemTotal, the hardening scores at most 3.0 with `systemd-analyze security --offline=yes`, and
+files/bin/sparkfleet-verify-unit refuses a unit with a bad key. files/bin/sparkfleet-memory-guard is
+run for real on small processes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+ROLE = ROOT / "roles" / "vllm_service"
+TEMPLATES = ROOT / "templates"
+BIN = ROOT / "files" / "bin"
+FIRST_LOAD_S = 463  # the 122B's first load on a GB10 (reference/)
+MAX_EXPOSURE = 3.0
+GIB = 2**30
+
+needs_systemd_analyze = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="needs systemd-analyze (systemd >= 252)"
+)
+
+
+def _trusted(value: Any) -> Any:
+    from ansible.template import trust_as_template
+
+    if isinstance(value, str):
+        return trust_as_template(value)
+    if isinstance(value, dict):
+        return {key: _trusted(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_trusted(item) for item in value]
+    return value
+
+
+def role_variables(**overrides: Any) -> dict[str, Any]:
+    """The role's defaults and vars (templates kept as templates), a sandbox-like profile, overrides."""
+    variables: dict[str, Any] = {}
+    variables.update(yaml.safe_load((ROLE / "defaults" / "main.yml").read_text()))
+    variables.update(yaml.safe_load((ROLE / "vars" / "main.yml").read_text()))
+    variables = _trusted(variables)
+    variables.update(
+        ansible_managed="Managed by a test",
+        ansible_facts={"memtotal_mb": 122_880},
+        vllm_service_profile={
+            "name": "dflash",
+            "summary": "test",
+            "serve_args": {"max-num-seqs": 3, "enforce-eager": True},
+            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+            "speculative": None,
+        },
+        vllm_service_other_profiles=["base", "dense", "dflash"],
+        vllm_service_venv="/opt/sparkfleet/venvs/vllm-0.23.0",
+        vllm_service_model_path="/var/lib/sparkfleet/models/tiny",
+    )
+    variables.update(overrides)
+    return variables
+
+
+@functools.cache
+def _load_plugins() -> None:
+    """ansible's plugin loader with the repo's filters (once per process)."""
+    from ansible.plugins.loader import init_plugin_loader
+
+    init_plugin_loader([str(ROOT / "filter_plugins")])
+
+
+def template_text(text: str, **overrides: Any) -> Any:
+    """text templated by ansible-core with role_variables(**overrides)."""
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.template import Templar, trust_as_template
+
+    _load_plugins()
+    templar = Templar(loader=DataLoader(), variables=role_variables(**overrides))
+    return templar.template(trust_as_template(text))
+
+
+def render(template: str, **overrides: Any) -> str:
+    """templates/<template> rendered with role_variables(**overrides)."""
+    return template_text((TEMPLATES / template).read_text(), **overrides)
+
+
+def expression(name: str, **overrides: Any) -> Any:
+    """One of the role's variables, resolved."""
+    return template_text("{{ " + name + " }}", **overrides)
+
+
+def directives(unit: str, key: str) -> list[str]:
+    return [line.split("=", 1)[1] for line in unit.splitlines() if line.startswith(key + "=")]
+
+
+def exposure(unit_text: str, tmp_path: Path) -> float:
+    """`systemd-analyze security --offline=yes` overall exposure of a unit file."""
+    path = tmp_path / "sparkfleet-vllm-dflash.service"
+    path.write_text(unit_text)
+    out = subprocess.run(
+        ["systemd-analyze", "security", "--offline=yes", "--no-pager", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "LC_ALL": "C", "SYSTEMD_COLORS": "0"},
+    )
+    match = re.search(r"Overall exposure level for \S+: (\d+\.\d+)", out.stdout + out.stderr)
+    assert match, f"no exposure level in:\n{out.stdout}\n{out.stderr}"
+    return float(match.group(1))
+
+
+def test_only_one_profile_holds_the_gpu() -> None:
+    unit = render("sparkfleet-vllm.service.j2")
+    assert sorted(directives(unit, "Conflicts")) == [
+        "sparkfleet-vllm-base.service",
+        "sparkfleet-vllm-dense.service",
+    ]
+
+
+def test_the_start_timeout_covers_the_first_load_and_the_health_wait() -> None:
+    unit = render("sparkfleet-vllm.service.j2")
+    start_timeout = int(yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())["vllm_service_start_timeout"])
+    assert start_timeout > FIRST_LOAD_S
+    (timeout_start,) = directives(unit, "TimeoutStartSec")
+    assert int(timeout_start) > start_timeout
+    (post,) = directives(unit, "ExecStartPost")
+    assert post.endswith(f"/health {start_timeout} $MAINPID") and "sparkfleet-wait-healthy" in post
+
+
+@pytest.mark.parametrize(
+    ("memory_max", "expected_bytes"),
+    [
+        ("auto", (122_880 - 8192) * 2**20),
+        ("100G", 100 * GIB),
+        ("512m", 512 * 2**20),
+        ("1073741824", GIB),
+        ("infinity", 0),
+    ],
+)
+def test_the_memory_limit_reaches_the_cgroup_and_the_guard(memory_max: str, expected_bytes: int) -> None:
+    unit = render("sparkfleet-vllm.service.j2", vllm_service_memory_max=memory_max)
+    (exec_start,) = directives(unit, "ExecStart")
+    guard, limit, floor, separator, vllm = exec_start.split()[:5]
+    assert guard.endswith("/sparkfleet-memory-guard") and separator == "--" and vllm.endswith("/bin/vllm")
+    assert int(limit) == expected_bytes
+    assert int(floor) == 2048 * 2**20
+    assert directives(unit, "MemoryMax") == ([str(expected_bytes)] if expected_bytes else [])
+    assert directives(unit, "OOMPolicy") == ["stop"]
+    assert directives(unit, "RestartPreventExitStatus") == ["137"]
+
+
+def test_auto_leaves_the_configured_reserve() -> None:
+    limit = expression(
+        "__vllm_service_memory_max_bytes", ansible_facts={"memtotal_mb": 24_105}, vllm_service_memory_reserve_mib=4096
+    )
+    assert int(limit) == (24_105 - 4096) * 2**20
+
+
+@pytest.mark.parametrize("bad", ["lots", "12 GB", "-5G", "1.5G"])
+def test_an_unreadable_memory_limit_is_flagged_for_preflight(bad: str) -> None:
+    assert int(expression("__vllm_service_memory_max_bytes", vllm_service_memory_max=bad)) == -1
+
+
+def test_hardening_directives_are_there() -> None:
+    unit = render("sparkfleet-vllm.service.j2")
+    for line in (
+        "User=vllm",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "ReadWritePaths=/var/lib/sparkfleet/cache",
+        "PrivateTmp=yes",
+        "CapabilityBoundingSet=",
+        "DevicePolicy=closed",
+        "DeviceAllow=/dev/nvidia0 rw",
+        "DeviceAllow=/dev/nvidia-uvm rw",
+        "IPAddressDeny=any",
+        "IPAddressAllow=localhost",
+        "SystemCallFilter=@system-service",
+    ):
+        assert line in unit.splitlines(), f"{line} missing"
+    no_gpu = render("sparkfleet-vllm.service.j2", vllm_service_devices=[])
+    assert "PrivateDevices=yes" in no_gpu.splitlines() and "DevicePolicy=closed" not in no_gpu
+
+
+@needs_systemd_analyze
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"vllm_service_devices": []},
+        {"vllm_service_host": "0.0.0.0", "vllm_service_api_key": "k", "vllm_service_allowed_clients": ["10.1.0.0/24"]},
+        {"vllm_service_host": "0.0.0.0", "vllm_service_api_key": "k"},
+    ],
+    ids=["gpu-loopback", "no-devices", "exposed-allow-list", "exposed-open"],
+)
+def test_exposure_score_is_at_most_3(overrides: dict[str, Any], tmp_path: Path) -> None:
+    score = exposure(render("sparkfleet-vllm.service.j2", **overrides), tmp_path)
+    assert score <= MAX_EXPOSURE, f"exposure {score} > {MAX_EXPOSURE} with {overrides}"
+
+
+@needs_systemd_analyze
+def test_the_score_check_can_fail(tmp_path: Path) -> None:
+    bare = "[Service]\nExecStart=/bin/true\n"
+    assert exposure(bare, tmp_path) > MAX_EXPOSURE
+
+
+def test_binding_beyond_loopback_opens_only_the_allow_list() -> None:
+    listed = render(
+        "sparkfleet-vllm.service.j2",
+        vllm_service_host="0.0.0.0",
+        vllm_service_allowed_clients=["10.1.0.0/24", "fd00::5"],
+    )
+    assert directives(listed, "IPAddressAllow") == ["localhost", "10.1.0.0/24 fd00::5"]
+    assert "Requires=sparkfleet-vllm-firewall.service" in listed.splitlines()
+    assert "--host 0.0.0.0" in directives(listed, "ExecStart")[0]
+    loopback = render("sparkfleet-vllm.service.j2")
+    assert directives(loopback, "IPAddressAllow") == ["localhost"]
+    assert "sparkfleet-vllm-firewall" not in loopback
+
+
+def test_the_allow_list_ruleset_splits_ipv4_and_ipv6() -> None:
+    ruleset = render(
+        "sparkfleet-vllm-firewall.nft.j2",
+        vllm_service_port=8123,
+        vllm_service_allowed_clients=["10.1.0.7", "fd00::/64"],
+    )
+    assert "tcp dport 8123 ip saddr { 10.1.0.7 } accept" in ruleset
+    assert "tcp dport 8123 ip6 saddr { fd00::/64 } accept" in ruleset
+    assert ruleset.index("accept") < ruleset.index("counter drop")
+
+
+def test_extra_directives_render_and_repeat() -> None:
+    unit = render(
+        "sparkfleet-vllm.service.j2",
+        vllm_service_extra_directives={"CPUAffinity": "0-7", "Environment": ["A=1", "B=2"]},
+    )
+    assert "CPUAffinity=0-7" in unit.splitlines()
+    assert {"A=1", "B=2"} <= set(directives(unit, "Environment"))
+
+
+@pytest.fixture
+def libexec(tmp_path: Path) -> Path:
+    """A libexec dir holding the unit's helpers, so `systemd-analyze verify` finds its binaries."""
+    directory = tmp_path / "libexec"
+    directory.mkdir()
+    for helper in ("sparkfleet-memory-guard", "sparkfleet-wait-healthy"):
+        shutil.copy2(BIN / helper, directory / helper)
+    return directory
+
+
+def verify_unit(unit_text: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    candidate = tmp_path / "candidate"
+    candidate.write_text(unit_text)
+    return subprocess.run(
+        [str(BIN / "sparkfleet-verify-unit"), str(candidate), "sparkfleet-vllm-dflash.service"],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "LC_ALL": "C"},
+    )
+
+
+@needs_systemd_analyze
+def test_verify_accepts_the_rendered_unit(libexec: Path, tmp_path: Path) -> None:
+    result = verify_unit(render("sparkfleet-vllm.service.j2", vllm_service_libexec_dir=str(libexec)), tmp_path)
+    assert result.returncode == 0, result.stderr
+
+
+@needs_systemd_analyze
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"NoSuchKey": "1"}, "Unknown key 'NoSuchKey'"),
+        ({"MemoryHigh": "lots"}, "Invalid memory limit 'lots'"),
+    ],
+)
+def test_verify_refuses_a_bad_key_or_value(extra: dict[str, str], message: str, libexec: Path, tmp_path: Path) -> None:
+    # systemd-analyze verify exits 0 on both and only warns on stderr: the helper must still refuse
+    unit = render(
+        "sparkfleet-vllm.service.j2", vllm_service_libexec_dir=str(libexec), vllm_service_extra_directives=extra
+    )
+    result = verify_unit(unit, tmp_path)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+GUARD = [sys.executable, str(BIN / "sparkfleet-memory-guard")]
+
+
+def test_the_guard_kills_a_process_tree_over_its_limit() -> None:
+    # a parent and a child holding 64 MiB each: 100 MiB is crossed only by the tree, not by one process
+    hog = (
+        "import subprocess,sys,time;"
+        "subprocess.Popen([sys.executable,'-c','import time; b=bytearray(64*2**20); time.sleep(60)']);"
+        "b=bytearray(64*2**20); time.sleep(60)"
+    )
+    started = time.monotonic()
+    result = subprocess.run(
+        [*GUARD, str(100 * 2**20), "0", "--", sys.executable, "-c", hog],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 137, result.stdout + result.stderr
+    assert "reached the limit 0.10 GiB: killed 2 processes" in result.stdout
+    assert time.monotonic() - started < 30
+
+
+def test_the_guard_stops_the_service_when_the_host_runs_low() -> None:
+    # a floor above any real MemAvailable stands in for a host running out
+    result = subprocess.run(
+        [*GUARD, "0", str(2**62), "--", "sleep", "30"], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert result.returncode == 137
+    assert "host MemAvailable" in result.stdout and "fell below the floor" in result.stdout
+
+
+def test_the_guard_is_transparent_otherwise() -> None:
+    assert subprocess.run([*GUARD, str(GIB), "0", "--", "sh", "-c", "exit 3"], check=False).returncode == 3
+    sleeper = subprocess.Popen([*GUARD, str(GIB), "0", "--", "sleep", "30"], stdout=subprocess.PIPE, text=True)
+    assert sleeper.stdout is not None and "memory guard: pid" in sleeper.stdout.readline()
+    sleeper.send_signal(signal.SIGTERM)
+    # the command got the SIGTERM and the guard died of it too, as systemd expects of a clean stop
+    assert sleeper.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_the_guard_refuses_a_bad_limit() -> None:
+    result = subprocess.run([*GUARD, "12G", "0", "--", "true"], capture_output=True, text=True, check=False)
+    assert result.returncode != 0
+    assert "LIMIT_BYTES '12G' is not a whole number of bytes" in result.stderr
+
+
+def test_argument_specs_document_every_default() -> None:
+    defaults = yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())
+    options = yaml.safe_load((ROLE / "meta" / "argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
+    assert set(defaults) == set(options)
+    for name, value in defaults.items():
+        if not options[name].get("required"):
+            assert options[name].get("default") == value, name
