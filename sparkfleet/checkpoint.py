@@ -379,7 +379,7 @@ class HubDonor(Donor):
             from huggingface_hub import hf_hub_download
         except ModuleNotFoundError as error:
             raise CheckpointError("a Hub donor needs huggingface_hub; pass a local --donor directory") from error
-        print(f"  fetching {self.repo}/{filename} @ {self.revision[:12]}", flush=True)
+        print(f"  fetching {self.repo}/{filename} @ {self.revision[:12]}", file=sys.stderr, flush=True)
         return Path(
             hf_hub_download(
                 self.repo,
@@ -482,7 +482,7 @@ class HubRangeDonor(HubDonor):
             for name, info in sorted(remote.items())
         ]
         extract.parent.mkdir(parents=True, exist_ok=True)
-        print(f"  reading {len(entries)} donor tensors by range into {extract}", flush=True)
+        print(f"  reading {len(entries)} donor tensors by range into {extract}", file=sys.stderr, flush=True)
         write_shard(extract, entries, {"format": "pt", "source": self.description}, hash_output=False)
         header = read_header(extract)
         return {name: (extract, header.tensors[name]) for name in wanted}
@@ -1048,7 +1048,9 @@ def run_hybrid(args: argparse.Namespace) -> int:
             force=args.force,
             hash_output=not args.no_hash,
         )
-        manifest = build_hybrid(options)
+        # With --json, stdout carries only the JSON (for Ansible); progress goes to stderr.
+        log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
+        manifest = build_hybrid(options, log=log)
     except (CheckpointError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

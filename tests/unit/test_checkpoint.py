@@ -382,3 +382,18 @@ def test_range_fetch_is_for_hub_donors(
     )  # fmt: skip
     assert code == 2
     assert "--donor-fetch ranges is for a Hub donor" in capsys.readouterr().err
+
+
+def test_json_output_is_only_json_and_says_changed(
+    tmp_path: Path, ckpts: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["checkpoint", "hybrid-fp8", "--base", str(ckpts["none"]), "--out", str(tmp_path / "h"),
+            "--donor", str(ckpts["block"]), "--no-error-report", "--json"]  # fmt: skip
+    assert cli_main(args) == 0
+    first = capsys.readouterr()
+    assert json.loads(first.out)["changed"] is True
+    assert "hybrid-fp8: 6 modules" in first.err
+    assert cli_main(args) == 0
+    second = capsys.readouterr()
+    assert json.loads(second.out)["changed"] is False
+    assert "is up to date" in second.err
