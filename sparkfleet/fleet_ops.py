@@ -11,7 +11,7 @@ result is printed in inventory order once every host has answered::
     sparkfleet ops status [-i inventory/sandbox] [-l spark-01,spark-02] [--json]
     sparkfleet ops logs --lines 50
     sparkfleet ops restart -l spark-03 [--batch 1] [--timeout 900]
-    sparkfleet ops bench [--max-requests 2 --max-tokens-scale 0.25] [--out results/fleet]
+    sparkfleet ops bench [--max-requests 2 --max-tokens-scale 0.25] [--out results]
 
 What a host serves is read from ``/etc/sparkfleet/state.json`` (written by the vllm_service role);
 health is probed from the host itself (the API binds to loopback) with the host's own python3, so
@@ -791,7 +791,8 @@ def bench_command(host: FleetHost, probe: dict[str, Any], options: BenchOptions,
     lib_dir = f"{host.root}/lib"
     bench_dir = f"{host.state_dir}/bench"
     profile = str(state.get("profile") or host.profile)
-    result_path = f"{bench_dir}/{host.name}_{profile}_decode_{stamp}.json"
+    # the serve_bench role's naming: <UTC stamp>-<method>.json, the last one also as latest.json
+    result_path = f"{bench_dir}/{stamp}-decode.json"
     revisions = state.get("model_revisions") or {}
     argv = [
         f"{venv}/bin/python",
@@ -849,7 +850,7 @@ def bench_operation(options: BenchOptions, stamp: str) -> HostOperation:
             result = json.loads(text)
         except json.JSONDecodeError as exc:
             raise HostFailure(f"{result_path} is not JSON ({exc})") from exc
-        local = options.out_dir / PurePosixPath(result_path).name
+        local = options.out_dir / host.name / PurePosixPath(result_path).name  # as `make bench` fetches them
         local.parent.mkdir(parents=True, exist_ok=True)
         local.write_text(text, encoding="utf-8")
         return HostOutcome(
@@ -971,7 +972,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--ignore-eos", action="store_true", help="generate up to max_tokens (tiny models)")
     bench.add_argument("--timeout", type=float, default=900, help="seconds per host for the benchmark (default 900)")
     bench.add_argument(
-        "--out", default="results/fleet", help="controller directory for the copies (default results/fleet)"
+        "--out", default="results", help="controller directory; copies go to OUT/<host>/ (default results)"
     )
 
     ops.set_defaults(func=lambda _args: (ops.print_help(), 2)[1])

@@ -501,10 +501,10 @@ def test_a_failing_remote_command_is_one_line(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_bench_command_runs_the_service_venv_with_the_hosts_identity() -> None:
-    options = fleet_ops.BenchOptions("prose", 2, 0.25, True, 600, Path("results/fleet"))
+    options = fleet_ops.BenchOptions("prose", 2, 0.25, True, 600, Path("results"))
     probe = {"state": {**STATE, "port": 8000}, "base_url": "http://127.0.0.1:8000"}
     command, result_path = fleet_ops.bench_command(sandbox_host(), probe, options, "20260624T100000Z")
-    assert result_path == "/var/lib/sparkfleet/bench/spark-01_dflash_decode_20260624T100000Z.json"
+    assert result_path == "/var/lib/sparkfleet/bench/20260624T100000Z-decode.json"
     venv_python = "/opt/sparkfleet/venvs/vllm-0.23.0+sf1abc.cpu/bin/python"
     assert f"PYTHONPATH=/opt/sparkfleet/lib {venv_python} -m sparkfleet.bench decode" in command
     for part in (
