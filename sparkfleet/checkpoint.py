@@ -657,7 +657,8 @@ class _ModuleProducer:
 
     def weight(self) -> bytes:
         plan = self.plan
-        base_bytes = read_tensor_bytes(self.options.base / plan.base_shard, plan.base_weight)
+        needs_base = self.options.error_report or not plan.donor_tensors
+        base_bytes = read_tensor_bytes(self.options.base / plan.base_shard, plan.base_weight) if needs_base else b""
         if plan.donor_tensors:
             produced = {suffix: read_tensor_bytes(path, info) for suffix, (path, info) in plan.donor_tensors.items()}
             if self.options.error_report:
