@@ -287,3 +287,112 @@ def test_dflash_metrics_count_drafts_and_acceptance(servers: dict) -> None:
     assert sum(per_position) == accepted, metrics
     assert per_position == sorted(per_position, reverse=True), metrics
     assert not any(key.startswith("vllm:spec_decode") for key in spec_metrics(servers["plain"]))
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention-level check of patches 0003 and 0005, without a server (runs in a child process whose
+# PYTHONPATH is the patched tree: `python tests/vllm/test_dflash_cpu.py --attention-probe`).
+
+
+def attention_probe() -> dict:
+    """DFlash-style attention through the patched CPU backend vs an exact reference.
+
+    Two requests: context K/V stored with do_kv_cache_update (0003), then a query block of five tokens
+    per request run through CPUAttentionMetadataBuilder.build (causal=False, as DFlash asks) and
+    CPUAttentionBackendImpl.forward (0005). The cache starts full of random stale data.
+    """
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.attention.backends import cpu_attn
+
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, block_size, num_blocks = 2, 1, 64, 128, 6
+    dtype, scale, block_query = torch.bfloat16, 64**-0.5, 5
+    isa = cpu_attn._get_attn_isa(dtype, block_size, head_dim)
+    kv_cache = torch.randn(num_blocks, kv_heads, block_size, 2 * head_dim).to(dtype)
+    impl = cpu_attn.CPUAttentionBackendImpl(heads, head_dim, scale, kv_heads, None, None, "auto")
+    layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
+    context_lens, block_rows = [37, 9], [[1, 2], [4, 5]]
+    block_table = torch.tensor(block_rows, dtype=torch.int32)
+
+    def slots(request: int, positions: range) -> torch.Tensor:
+        return torch.tensor(
+            [block_rows[request][p // block_size] * block_size + p % block_size for p in positions]
+        )
+
+    keys, values = [], []
+    for request, length in enumerate(context_lens):
+        k = torch.randn(length, kv_heads, head_dim).to(dtype)
+        v = torch.randn(length, kv_heads, head_dim).to(dtype)
+        impl.do_kv_cache_update(layer, k, v, kv_cache, slots(request, range(length)))
+        keys.append(k)
+        values.append(v)
+
+    total = block_query * len(context_lens)
+    query = torch.randn(total, heads, head_dim).to(dtype)
+    query_keys = torch.randn(total, kv_heads, head_dim).to(dtype)
+    query_values = torch.randn(total, kv_heads, head_dim).to(dtype)
+    slot_mapping = torch.cat([slots(r, range(n, n + block_query)) for r, n in enumerate(context_lens)]).to(
+        torch.int64
+    )
+    query_start_loc = torch.arange(len(context_lens) + 1, dtype=torch.int32) * block_query
+    seq_lens = torch.tensor([n + block_query for n in context_lens], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start_loc,
+        query_start_loc_cpu=query_start_loc.clone(),
+        seq_lens=seq_lens,
+        num_reqs=len(context_lens),
+        num_actual_tokens=total,
+        max_query_len=block_query,
+        max_seq_len=int(seq_lens.max()),
+        block_table_tensor=block_table,
+        slot_mapping=slot_mapping,
+        causal=False,
+    )
+    builder = SimpleNamespace(
+        use_sdpa_prefill=False,
+        reorder_batch_threshold=None,
+        is_cross_attention=False,
+        is_encoder_only=False,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        window_size=-1,
+        isa=isa,
+    )
+    metadata = cpu_attn.CPUAttentionMetadataBuilder.build(builder, 0, common)
+    output = torch.empty(total, heads, head_dim, dtype=dtype)
+    impl.forward(layer, query, query_keys, query_values, kv_cache, metadata, output)
+
+    worst = 0.0
+    for request in range(len(context_lens)):
+        rows = slice(request * block_query, (request + 1) * block_query)
+        k = torch.cat([keys[request], query_keys[rows]])[:, 0].float()
+        v = torch.cat([values[request], query_values[rows]])[:, 0].float()
+        reference = torch.softmax(query[rows].float() @ k.T * scale, dim=-1) @ v
+        worst = max(worst, float((output[rows].float() - reference).abs().max()))
+    return {"isa": isa, "causal": metadata.causal, "max_abs_error": worst}
+
+
+def test_noncausal_attention_is_exact_on_patched_tree(patched_site: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(patched_site), str(REPO)]))
+    result = subprocess.run(
+        [sys.executable, __file__, "--attention-probe"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    probe = json.loads(result.stdout.strip().splitlines()[-1])
+    # DFlash asserts its metadata stays non-causal; the result must be exact up to bf16 rounding.
+    assert probe["causal"] is False, probe
+    assert probe["max_abs_error"] < 0.02, probe
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--attention-probe"]:
+    print(json.dumps(attention_probe()))
