@@ -219,6 +219,7 @@ class HealthStub:
         self.acceptance_length = acceptance_length
         self.drafts = 10.0
         self.accepted = 25.0
+        self.generated = 100.0
         self.bodies: list[dict[str, Any]] = []
         self.lock = threading.Lock()
 
@@ -232,6 +233,7 @@ class HealthStub:
                 f'{metric}_total{{engine="1",model_name="qwen"}} {value / 2}',
                 f'{metric}_created{{engine="0",model_name="qwen"}} 1.7e9',
             ]
+        lines.append(f'vllm:generation_tokens_total{{engine="0",model_name="qwen"}} {self.generated}')
         return "\n".join(lines) + "\n"
 
     def handler(self) -> type[BaseHTTPRequestHandler]:
@@ -268,6 +270,7 @@ class HealthStub:
                     drafts = tokens / stub.acceptance_length
                     stub.drafts += drafts
                     stub.accepted += drafts * (stub.acceptance_length - 1)
+                    stub.generated += tokens
                 if self.path == "/v1/completions":
                     self.reply(200, {"choices": [{"text": " Paris."}], "usage": {"completion_tokens": tokens}})
                 elif self.path == "/v1/chat/completions" and body.get("tools"):
