@@ -350,3 +350,29 @@ def test_argument_specs_document_every_default() -> None:
     for name, value in defaults.items():
         if not options[name].get("required"):
             assert options[name].get("default") == value, name
+
+
+def _nft_check(ruleset: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """`nft --check` of a ruleset inside a fresh, empty network namespace (nothing is loaded)."""
+    path = tmp_path / "vllm-firewall.nft"
+    path.write_text(ruleset)
+    return subprocess.run(
+        ["unshare", "--net", "nft", "--check", "--file", str(path)], capture_output=True, text=True, check=False
+    )
+
+
+@pytest.mark.skipif(
+    shutil.which("nft") is None or shutil.which("unshare") is None or os.geteuid() != 0,
+    reason="needs nft, unshare and root (a private network namespace)",
+)
+def test_nft_accepts_the_allow_list_ruleset_and_refuses_a_bad_address(tmp_path: Path) -> None:
+    good = render(
+        "sparkfleet-vllm-firewall.nft.j2", vllm_service_allowed_clients=["10.1.0.7", "10.2.0.0/16", "fd00::/64"]
+    )
+    result = _nft_check(good, tmp_path)
+    if "Operation not permitted" in result.stderr:
+        pytest.skip(f"no netlink here: {result.stderr.strip()}")
+    assert result.returncode == 0, result.stderr
+    bad = render("sparkfleet-vllm-firewall.nft.j2", vllm_service_allowed_clients=["10.1.0.300"])
+    refused = _nft_check(bad, tmp_path)
+    assert refused.returncode != 0 and "10.1.0.300" in refused.stderr
