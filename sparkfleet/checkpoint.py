@@ -45,6 +45,7 @@ from sparkfleet.safetensors_stream import (
     ShardEntry,
     ShardHeader,
     TensorInfo,
+    copy_file,
     header_length,
     parse_header,
     read_header,
@@ -56,9 +57,10 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_SHARD_NAME = "model.safetensors"
 MANIFEST_NAME = "sparkfleet-checkpoint.json"
 MANIFEST_FORMAT = 1
-# The MoE shared experts: dense, read every token (FINDINGS §4). The router (`mlp.gate`) and the
-# `shared_expert_gate` stay BF16, as in the FP8 releases.
-DEFAULT_MODULE_PATTERN = r"\.mlp\.shared_expert\.(gate|up|down)_proj$"
+# The MoE shared experts of the decoder layers: dense, read every token (FINDINGS §4: 48 layers x 3 = 144
+# modules on the 122B). The router (`mlp.gate`) and the `shared_expert_gate` stay BF16, as in the FP8
+# releases; an MTP head (`mtp.*`), which the dense profile does not run, is left as it is.
+DEFAULT_MODULE_PATTERN = r"^model\.language_model\.layers\.\d+\.mlp\.shared_expert\.(gate|up|down)_proj$"
 # Checkpoint modules vLLM fuses into one layer: all of a group must share one format (patch 0002 refuses
 # a partly FP8 fused layer).
 FUSED_GROUPS = (("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj"))
@@ -845,13 +847,18 @@ def _write_hybrid(
         if len(names) != len(set(names)):
             duplicate = next(n for n in names if names.count(n) > 1)
             raise CheckpointError(f"base shard {shard} already holds {duplicate}; pass the INT4 base, not a hybrid")
-        written = write_shard(
-            staging / shard,
-            entries,
-            header.metadata or {"format": "pt"},
-            chunk_bytes=options.chunk_bytes,
-            hash_output=options.hash_output,
-        )
+        if replaced:
+            written = write_shard(
+                staging / shard,
+                entries,
+                header.metadata or {"format": "pt"},
+                chunk_bytes=options.chunk_bytes,
+                hash_output=options.hash_output,
+            )
+        else:  # nothing to change: the same bytes, header included
+            written = copy_file(
+                header.path, staging / shard, chunk_bytes=options.chunk_bytes, hash_output=options.hash_output
+            )
         bytes_read += header.file_size
         for entry in entries:
             weight_map[entry.name] = shard

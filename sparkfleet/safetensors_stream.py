@@ -291,3 +291,24 @@ def write_shard(
         os.fsync(out.fileno())
     os.replace(partial, path)
     return WrittenShard(path, size, digest.hexdigest() if digest is not None else "", len(entries))
+
+
+def copy_file(
+    source: Path, dest: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES, hash_output: bool = True
+) -> WrittenShard:
+    """Copy a shard byte for byte (one buffer, sha256 on the way), through `dest`.partial."""
+    source, dest = Path(source), Path(dest)
+    partial = dest.with_name(dest.name + ".partial")
+    digest = hashlib.sha256() if hash_output else None
+    view = memoryview(bytearray(chunk_bytes))
+    size = 0
+    with source.open("rb") as reader, partial.open("wb") as out:
+        while got := reader.readinto(view):
+            out.write(view[:got])
+            if digest is not None:
+                digest.update(view[:got])
+            size += got
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(partial, dest)
+    return WrittenShard(dest, size, digest.hexdigest() if digest is not None else "", len(read_header(dest).tensors))

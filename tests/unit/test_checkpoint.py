@@ -397,3 +397,19 @@ def test_json_output_is_only_json_and_says_changed(
     second = capsys.readouterr()
     assert json.loads(second.out)["changed"] is False
     assert "is up to date" in second.err
+
+
+def test_default_selection_leaves_an_mtp_head_alone(tmp_path: Path, ckpts: dict[str, Path]) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(ckpts["none"], base)
+    mtp = [f"mtp.layers.0.mlp.shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    write_shard(base / "model-mtp.safetensors", [ShardEntry(n, "BF16", (2, 4), lambda: b"\x3c" * 16) for n in mtp])
+    index = json.loads((base / INDEX_NAME).read_text())
+    index["weight_map"].update(dict.fromkeys(mtp, "model-mtp.safetensors"))
+    (base / INDEX_NAME).write_text(json.dumps(index))
+    out = tmp_path / "h"
+    manifest = build_hybrid(
+        BuildOptions(base=base, out=out, donor=LocalDonor(ckpts["block"]), error_report=False), _quiet
+    )
+    assert sorted(manifest["fp8_modules"]) == SHARED_MODULES
+    assert (out / "model-mtp.safetensors").read_bytes() == (base / "model-mtp.safetensors").read_bytes()
