@@ -136,8 +136,8 @@ health: $(VENV)/.stamp ## Health-check every host of INVENTORY [LIMIT=host]
 	$(PLAYBOOK) playbooks/health.yml
 
 .PHONY: bench
-bench: $(VENV)/.stamp ## Benchmark every host of INVENTORY; results land in results/ [LIMIT=host]
-	$(PLAYBOOK) playbooks/bench.yml
+bench: $(VENV)/.stamp ## Benchmark every host of INVENTORY; results land in results/ [LIMIT=host] [QUICK=1]
+	$(PLAYBOOK) playbooks/bench.yml $(if $(QUICK),-e serve_bench_quick=true,)
 
 .PHONY: report
 report: $(VENV)/.stamp ## Render results/ into results/report.md with PNG plots
@@ -158,15 +158,15 @@ lint: $(VENV)/.stamp ## ansible-lint (production), yamllint --strict, ruff
 
 .PHONY: test-unit
 test-unit: $(VENV)/.stamp ## Fast tests: no vLLM, no sandbox
-	$(VENV)/bin/pytest -q -m "not vllm and not sandbox and not gpu"
+	$(VENV)/bin/pytest -q -m "not vllm and not sandbox and not gpu" tests
 
 .PHONY: test-vllm
 test-vllm: $(VLLM_VENV)/.stamp models wheel ## Tests on the real vLLM 0.23 code (CPU)
-	$(VLLM_PY) -m pytest -q -m "vllm and not sandbox and not gpu"
+	$(VLLM_PY) -m pytest -q -m "vllm and not sandbox and not gpu" tests/vllm
 
 .PHONY: test-sandbox
 test-sandbox: setup sandbox-up ## Integration tests against the sandbox fleet (real deploys)
-	$(VENV)/bin/pytest -q -m "sandbox and not gpu"
+	$(VENV)/bin/pytest -q -m "sandbox and not gpu" tests/sandbox tests/integration
 
 .PHONY: test
 test: lint test-unit test-vllm test-sandbox ## Every test CI runs

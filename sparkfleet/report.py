@@ -35,13 +35,16 @@ def load_all(results_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     if not results_dir.is_dir():
         raise ResultError(f"results directory {results_dir} does not exist; run `sparkfleet bench` first")
     loaded, skipped = [], []
-    for path in sorted(results_dir.glob("*.json")):
+    # results/<host>/<time>-<method>.json as `make bench` fetches them (latest.json repeats one)
+    for path in sorted(results_dir.rglob("*.json")):
+        if path.name == "latest.json":
+            continue
         try:
             result = load_result(path)
         except ResultError as exc:
             skipped.append(str(exc))
             continue
-        result["_file"] = path.name
+        result["_file"] = path.relative_to(results_dir).as_posix()
         loaded.append(result)
     loaded.sort(key=lambda r: r["utc_time"])
     return loaded, skipped
