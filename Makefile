@@ -147,6 +147,32 @@ report: $(VENV)/.stamp ## Render results/ into results/report.md with PNG plots
 profiles: $(VENV)/.stamp ## List the profiles INVENTORY knows
 	@$(PY) -m sparkfleet profile list --inventory $(INVENTORY)
 
+# ------------------------------------------------------------------------------------ fleet ops
+# `make drift` = site.yml --check --diff with the sparkfleet_drift callback: every diff, then one
+# line per host of what a deploy of PROFILE would change. Nothing on the hosts changes.
+DRIFT_JSON ?=
+.PHONY: drift
+drift: $(VENV)/.stamp ## What a deploy of PROFILE would change, one line per host (check mode) [LIMIT=host]
+	ANSIBLE_CALLBACK_PLUGINS=$(CURDIR)/callback_plugins \
+	ANSIBLE_CALLBACKS_ENABLED=ansible.builtin.timer,sparkfleet_drift \
+	SPARKFLEET_DRIFT_JSON=$(DRIFT_JSON) \
+	$(PLAYBOOK) site.yml --check --diff -e sparkfleet_profile=$(PROFILE)
+
+OPS := $(PY) -m sparkfleet ops
+OPS_HOSTS := -i $(INVENTORY) $(if $(LIMIT),-l $(LIMIT),)
+LINES ?= 30
+.PHONY: status logs restart quick-bench fleet-scale
+status: $(VENV)/.stamp ## One line per host: profile, unit, health, patch set, revisions, last tok/s [LIMIT=host]
+	$(OPS) status $(OPS_HOSTS)
+logs: $(VENV)/.stamp ## The last LINES journal lines of each host's unit [LIMIT=host LINES=30]
+	$(OPS) logs $(OPS_HOSTS) --lines $(LINES)
+restart: $(VENV)/.stamp ## Restart each host's unit, one host at a time, waiting for /health [LIMIT=host]
+	$(OPS) restart $(OPS_HOSTS)
+quick-bench: $(VENV)/.stamp ## A quick decode benchmark on every host at once (ops bench; results/<host>/) [LIMIT=host]
+	$(OPS) bench $(OPS_HOSTS)
+fleet-scale: $(VENV)/.stamp ## Time site.yml on 1 vs 3 sandbox hosts -> docs/fleet-scale.md [FRESH=1 purges the sandbox]
+	$(PY) benchmarks/bench_fleet_scale.py $(if $(FRESH),--fresh,)
+
 # ------------------------------------------------------------------------------------ quality
 
 .PHONY: lint

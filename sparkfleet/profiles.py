@@ -58,9 +58,7 @@ def get_profile(profiles: Mapping[str, Any], name: str) -> dict[str, Any]:
         raise ProfileError(f"profile {name!r} must be a mapping, got {type(spec).__name__}")
     missing = [key for key in PROFILE_KEYS_REQUIRED if key not in spec]
     if missing:
-        raise ProfileError(
-            f"profile {name!r} lacks {', '.join(missing)}: add it under sparkfleet_profiles_site"
-        )
+        raise ProfileError(f"profile {name!r} lacks {', '.join(missing)}: add it under sparkfleet_profiles_site")
     return dict(spec)
 
 
@@ -109,20 +107,12 @@ def errors(resolved: Mapping[str, Any], refused: list[Mapping[str, Any]] | None)
             except (TypeError, ValueError):
                 found.append(f"profile {name!r}: --{flag} {value!r} is not a number")
                 continue
-            found.append(
-                f"profile {name!r}: --{flag} {value} refused (>= {rule['at_or_above']}): {rule['reason']}"
-            )
+            found.append(f"profile {name!r}: --{flag} {value} refused (>= {rule['at_or_above']}): {rule['reason']}")
         else:
             found.append(f"profile {name!r}: --{flag} refused: {rule['reason']}")
     spec = resolved.get("speculative")
-    if (
-        spec is not None
-        and not resolved.get("drafter")
-        and spec.get("method") in {"dflash", "eagle", "eagle3"}
-    ):
-        found.append(
-            f"profile {name!r}: speculative method {spec.get('method')!r} needs a drafter: set drafter"
-        )
+    if spec is not None and not resolved.get("drafter") and spec.get("method") in {"dflash", "eagle", "eagle3"}:
+        found.append(f"profile {name!r}: speculative method {spec.get('method')!r} needs a drafter: set drafter")
     return found
 
 
@@ -196,9 +186,7 @@ def load_group_vars_all(inventory: Path) -> dict[str, Any]:
 
 def inventory_profiles(inventory: Path) -> dict[str, Any]:
     if not inventory.is_dir():
-        raise ProfileError(
-            f"inventory {str(inventory)!r} is not a directory: pass INVENTORY=inventory/<name>"
-        )
+        raise ProfileError(f"inventory {str(inventory)!r} is not a directory: pass INVENTORY=inventory/<name>")
     gv = load_group_vars_all(inventory)
     if "sparkfleet_profiles_builtin" not in gv:
         raise ProfileError(

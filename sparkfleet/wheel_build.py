@@ -174,9 +174,7 @@ def load_series(directory: Path, *, allow_missing: bool = False) -> Series:
     platforms = [str(p) for p in data.get("platforms") or default_platforms]
     for platform in platforms:
         if platform not in PLATFORMS:
-            raise WheelBuildError(
-                f"{series_file}: platform {platform!r} is not one of {', '.join(PLATFORMS)}"
-            )
+            raise WheelBuildError(f"{series_file}: platform {platform!r} is not one of {', '.join(PLATFORMS)}")
     metadata = data.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise WheelBuildError(f"{series_file}: metadata must be a mapping")
@@ -367,9 +365,7 @@ class SourceReader:
 
     def dist_info_dir(self) -> str:
         if self.zip is not None:
-            candidates = {
-                n.split("/", 1)[0] for n in self.names if re.match(r"^[^/]+\.dist-info/METADATA$", n)
-            }
+            candidates = {n.split("/", 1)[0] for n in self.names if re.match(r"^[^/]+\.dist-info/METADATA$", n)}
         else:
             candidates = {p.parent.name for p in self.location.glob("*.dist-info/METADATA")}
         if len(candidates) != 1:
@@ -543,9 +539,7 @@ def _apply_one(tree: ScratchTree, series: Series, patch: PatchEntry, accept_unkn
     if current == befores:
         outcome = run_patch(tree.root, patch_path, "-N")
         if outcome.returncode != 0:
-            raise WheelBuildError(
-                f"{patch.file} failed on files matching its before hashes: {patch_failure(outcome)}"
-            )
+            raise WheelBuildError(f"{patch.file} failed on files matching its before hashes: {patch_failure(outcome)}")
         for rel in patch.files:
             now = tree.hash(rel)
             if now != afters[rel]:
@@ -577,9 +571,7 @@ def _apply_one(tree: ScratchTree, series: Series, patch: PatchEntry, accept_unkn
         result.status = "already-applied"
     else:
         why = patch_failure(dry_run)
-        raise WheelBuildError(
-            f"{patch.file} does not apply to {mismatch} (sha256 {current[mismatch]}): {why}"
-        )
+        raise WheelBuildError(f"{patch.file} does not apply to {mismatch} (sha256 {current[mismatch]}): {why}")
     result.files = {rel: {"before": current[rel], "after": tree.hash(rel)} for rel in patch.files}
     return result
 
@@ -680,9 +672,7 @@ def metadata_steps(series_list: list[Series]) -> tuple[str | None, list[dict[str
 
 
 def patchset_module(patchset: str, version: str, source: SourceInfo, results: list[PatchResult]) -> bytes:
-    series_rows = [
-        {"series": r.series, "patch": r.name, "sha256": r.patch_sha256, "status": r.status} for r in results
-    ]
+    series_rows = [{"series": r.series, "patch": r.name, "sha256": r.patch_sha256, "status": r.status} for r in results]
     body = [
         '"""Written by `sparkfleet wheel build`: the patch set this vLLM wheel carries."""',
         "",
@@ -784,16 +774,12 @@ def _central_header(
     )
 
 
-def _copy_raw(
-    source_stream: io.BufferedReader, info: zipfile.ZipInfo, out: HashingWriter
-) -> tuple[bytes, int]:
+def _copy_raw(source_stream: io.BufferedReader, info: zipfile.ZipInfo, out: HashingWriter) -> tuple[bytes, int]:
     """Copy an entry's compressed bytes; returns (sha256 of the content, size), CRC checked."""
     if info.flag_bits & 0x1:
         raise WheelBuildError(f"source entry {info.filename} is encrypted: not a wheel")
     if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
-        raise WheelBuildError(
-            f"source entry {info.filename} uses compression {info.compress_type}: unsupported"
-        )
+        raise WheelBuildError(f"source entry {info.filename} uses compression {info.compress_type}: unsupported")
     source_stream.seek(info.header_offset)
     header = source_stream.read(30)
     if header[:4] != b"PK\x03\x04":
@@ -845,28 +831,20 @@ def write_wheel(source_path: Path, entries: list[OutEntry], record_name: str, ta
             out.write(packed)
             mode = 0o755 if executable else 0o644
             central.append(
-                _central_header(
-                    encoded, flags, zipfile.ZIP_DEFLATED, crc, len(packed), len(data), mode, offset
-                )
+                _central_header(encoded, flags, zipfile.ZIP_DEFLATED, crc, len(packed), len(data), mode, offset)
             )
 
         for entry in entries:
             if entry.data is not None:
                 add_bytes(entry.name, entry.data, entry.executable)
-                record_rows.append(
-                    (entry.name, record_hash(hashlib.sha256(entry.data).digest()), str(len(entry.data)))
-                )
+                record_rows.append((entry.name, record_hash(hashlib.sha256(entry.data).digest()), str(len(entry.data))))
                 continue
             info = entry.source
             assert info is not None
             encoded = entry.name.encode("utf-8")
             flags = 0 if encoded.isascii() else 0x800
             offset = out.offset
-            out.write(
-                _local_header(
-                    encoded, flags, info.compress_type, info.CRC, info.compress_size, info.file_size
-                )
-            )
+            out.write(_local_header(encoded, flags, info.compress_type, info.CRC, info.compress_size, info.file_size))
             digest, size = _copy_raw(source_stream, info, out)
             mode = 0o755 if entry.executable else 0o644
             central.append(
@@ -895,9 +873,7 @@ def write_wheel(source_path: Path, entries: list[OutEntry], record_name: str, ta
         count = len(central)
         if directory_offset > 0xFFFFFFFF:
             raise WheelBuildError("the wheel passes 4 GiB, which needs ZIP64: not supported")
-        out.write(
-            struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, directory_size, directory_offset, 0)
-        )
+        out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, directory_size, directory_offset, 0))
         return out.digest.hexdigest()
 
 
@@ -1000,9 +976,7 @@ def build_wheel(
             say(f"metadata: {change}")
         results = plan.results
         entries = _output_entries(reader.zip, source, dist_info, plan, metadata_out)
-        entries.append(
-            OutEntry(PATCHSET_MODULE, False, data=patchset_module(patchset, version, source, results))
-        )
+        entries.append(OutEntry(PATCHSET_MODULE, False, data=patchset_module(patchset, version, source, results)))
         entries.sort(key=lambda e: (e.name.startswith(dist_info + "/"), e.name))
         out_dir.mkdir(parents=True, exist_ok=True)
         partial = out_dir / f".{wheel_name}.{os.getpid()}.part"
@@ -1031,18 +1005,14 @@ def build_wheel(
             "version": source.version,
         },
         "inputs": inputs,
-        "series": [
-            {"series": s.name, "directory": s.directory.name, "metadata": s.metadata} for s in applied
-        ],
+        "series": [{"series": s.name, "directory": s.directory.name, "metadata": s.metadata} for s in applied],
         "patches": [dataclasses.asdict(r) for r in results],
         "metadata_changes": metadata_changes,
         "build_seconds": round(elapsed, 2),
     }
     manifest_file = manifest_path(target)
     manifest_file.write_text(json.dumps(manifest, indent=2) + "\n")
-    counts = {
-        status: sum(r.status == status for r in results) for status in sorted({r.status for r in results})
-    }
+    counts = {status: sum(r.status == status for r in results) for status in sorted({r.status for r in results})}
     patch_note = ", ".join(f"{n} {status}" for status, n in counts.items()) or "no patches"
     say(
         f"built {shown(target)} ({target.stat().st_size / 1e6:.1f} MB, sha256 {out_sha[:12]}) from "
@@ -1124,9 +1094,7 @@ def dump_series(series: Series) -> str:
     return text + yaml.safe_dump({"patches": rows}, sort_keys=False, default_flow_style=False, width=110)
 
 
-def refresh_series(
-    directory: Path, source_spec: str, before_dirs: list[Path] | None, find_links: list[Path]
-) -> None:
+def refresh_series(directory: Path, source_spec: str, before_dirs: list[Path] | None, find_links: list[Path]) -> None:
     directory = Path(directory)
     if not directory.is_dir():
         raise WheelBuildError(f"series directory {directory} does not exist")
@@ -1145,9 +1113,7 @@ def _refresh_source(source_spec: str, find_links: list[Path]) -> Path:
         return resolve_source(source_spec, None, DEFAULT_CACHE, find_links)[0]
     path = Path(source_spec)
     if not path.exists():
-        raise WheelBuildError(
-            f"--source {source_spec} is neither a wheel, an unpacked tree nor a pinned name"
-        )
+        raise WheelBuildError(f"--source {source_spec} is neither a wheel, an unpacked tree nor a pinned name")
     return path
 
 
@@ -1208,9 +1174,7 @@ def _refresh_locked(series: Series, reader: SourceReader, before_dirs: list[Path
                 patch.name = patch_path.stem
             if not patch.summary:
                 patch.summary = patch_summary(patch_path)
-            detail = ", ".join(
-                f"{rel} {short(h.before)} -> {short(h.after)}" for rel, h in patch.files.items()
-            )
+            detail = ", ".join(f"{rel} {short(h.before)} -> {short(h.after)}" for rel, h in patch.files.items())
             say(f"refresh: {patch.file}: {detail}")
     series.patches = kept
     series_file = directory / SERIES_FILE
@@ -1340,12 +1304,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build.add_argument(
         "--series", action="append", type=Path, help="series directory, repeatable, in order (default: all)"
     )
-    build.add_argument(
-        "--out", type=Path, default=DEFAULT_OUT, help="output directory (default build/wheels)"
-    )
-    build.add_argument(
-        "--cache", type=Path, default=DEFAULT_CACHE, help="download cache (default build/wheel-cache)"
-    )
+    build.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory (default build/wheels)")
+    build.add_argument("--cache", type=Path, default=DEFAULT_CACHE, help="download cache (default build/wheel-cache)")
     build.add_argument(
         "--find-links", action="append", type=Path, default=[], help="directory that may hold the pinned file"
     )

@@ -84,9 +84,7 @@ def test_platform_layer_wins_and_null_drops() -> None:
 
 
 def test_unknown_profile_names_the_valid_ones() -> None:
-    with pytest.raises(
-        profiles.ProfileError, match=r"unknown profile 'turbo': valid profiles are base, dense"
-    ):
+    with pytest.raises(profiles.ProfileError, match=r"unknown profile 'turbo': valid profiles are base, dense"):
         resolve("turbo")
 
 

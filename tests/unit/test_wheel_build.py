@@ -126,15 +126,11 @@ def test_refresh_series_adds_patch_with_summary_and_hashes(series: tuple[Path, P
     (entry,) = data["patches"]
     assert entry["name"] == "0001-thing"
     assert entry["summary"] == "Thing: add a line"
-    assert entry["files"] == {
-        "vllm/utils/thing.py": {"before": sha(STOCK_THING), "after": sha(PATCHED_THING)}
-    }
+    assert entry["files"] == {"vllm/utils/thing.py": {"before": sha(STOCK_THING), "after": sha(PATCHED_THING)}}
     cpu_data = yaml.safe_load((cpu / "series.yml").read_text())
     assert cpu_data["platforms"] == ["cpu"]
     assert cpu_data["metadata"]["dist_name"] == "vllm"  # kept through the rewrite
-    assert cpu_data["patches"][0]["files"]["vllm/utils/cpu_triton_utils.py"]["after"] == sha(
-        PATCHED_CPU_UTILS
-    )
+    assert cpu_data["patches"][0]["files"]["vllm/utils/cpu_triton_utils.py"]["after"] == sha(PATCHED_CPU_UTILS)
 
 
 def test_cpu_build_renames_dist_and_rewrites_metadata(tmp_path: Path, series: tuple[Path, Path]) -> None:
@@ -256,9 +252,7 @@ def test_hash_mismatch_is_refused_in_one_line_and_writes_nothing(
     assert not out.exists()
 
 
-def test_accept_unknown_source_applies_and_records_actual_hashes(
-    tmp_path: Path, series: tuple[Path, Path]
-) -> None:
+def test_accept_unknown_source_applies_and_records_actual_hashes(tmp_path: Path, series: tuple[Path, Path]) -> None:
     other = STOCK_THING.replace("line 25\n", "line 25 (a custom build)\n")
     source, digest = make_wheel(tmp_path / "src", thing=other)
     wheel = build(source, digest, series, tmp_path / "out", accept_unknown_source=True)
@@ -276,9 +270,7 @@ def test_accept_unknown_source_still_refuses_a_patch_that_does_not_apply(
 ) -> None:
     other = STOCK_THING.replace("line 9\n", "line nine\n").replace("line 11\n", "line eleven\n")
     source, digest = make_wheel(tmp_path / "src", thing=other)
-    with pytest.raises(
-        wheel_build.WheelBuildError, match="0001-thing.patch does not apply to vllm/utils/thing.py"
-    ):
+    with pytest.raises(wheel_build.WheelBuildError, match="0001-thing.patch does not apply to vllm/utils/thing.py"):
         build(source, digest, series, tmp_path / "out", accept_unknown_source=True)
     assert not (tmp_path / "out").exists()
 
@@ -292,9 +284,7 @@ def test_already_applied_patch_is_detected_and_skipped(tmp_path: Path, series: t
         assert archive.read("vllm/utils/thing.py").decode() == PATCHED_THING
 
 
-def test_gpu_source_gets_main_series_only_and_keeps_its_name(
-    tmp_path: Path, series: tuple[Path, Path]
-) -> None:
+def test_gpu_source_gets_main_series_only_and_keeps_its_name(tmp_path: Path, series: tuple[Path, Path]) -> None:
     main, _ = series
     source, digest = make_wheel(tmp_path / "src", cpu=False)
     wheel = build(source, digest, series, tmp_path / "out")
@@ -408,9 +398,7 @@ def test_refresh_keeps_edited_summaries_and_refuses_a_patch_that_does_not_apply(
     assert series_file.read_text() == kept
 
 
-def test_a_patched_wheel_as_source_is_recognized_as_already_patched(
-    tmp_path: Path, series: tuple[Path, Path]
-) -> None:
+def test_a_patched_wheel_as_source_is_recognized_as_already_patched(tmp_path: Path, series: tuple[Path, Path]) -> None:
     source, digest = make_wheel(tmp_path / "src")
     first = build(source, digest, series, tmp_path / "out")
     again = build(first, sha(first.read_bytes()), series, tmp_path / "out2")

@@ -183,9 +183,7 @@ def wait_ready(servers: list[Server], deadline: float) -> None:
     while pending:
         for server in list(pending):
             if server.process.poll() is not None:
-                pytest.fail(
-                    f"vllm serve on {server.port} exited ({server.process.returncode}):\n{server.log_tail()}"
-                )
+                pytest.fail(f"vllm serve on {server.port} exited ({server.process.returncode}):\n{server.log_tail()}")
             try:
                 with urllib.request.urlopen(server.url("/health"), timeout=2) as response:
                     if response.status == 200:
@@ -194,16 +192,12 @@ def wait_ready(servers: list[Server], deadline: float) -> None:
                 pass
         if pending and time.monotonic() > deadline:
             tails = "\n".join(f"--- port {s.port}\n{s.log_tail()}" for s in pending)
-            pytest.fail(
-                f"not ready within {READY_TIMEOUT_S:.0f} s (SPARKFLEET_DFLASH_TEST_TIMEOUT):\n{tails}"
-            )
+            pytest.fail(f"not ready within {READY_TIMEOUT_S:.0f} s (SPARKFLEET_DFLASH_TEST_TIMEOUT):\n{tails}")
         time.sleep(1)
 
 
 def post_json(url: str, body: dict) -> dict:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as response:
         return json.load(response)
 
@@ -251,9 +245,7 @@ def servers(patched_site: Path, models: Path, tmp_path_factory: pytest.TempPathF
             )
         )
         started.append(
-            start_server(
-                patched_site, models / "tiny-qwen3", PLAIN_PORT, work / "plain.log", work / "cache-plain", []
-            )
+            start_server(patched_site, models / "tiny-qwen3", PLAIN_PORT, work / "plain.log", work / "cache-plain", [])
         )
         wait_ready(started, time.monotonic() + READY_TIMEOUT_S)
         yield {"spec": started[0], "plain": started[1]}
@@ -276,9 +268,7 @@ def test_dflash_metrics_count_drafts_and_acceptance(servers: dict) -> None:
     drafts = metrics.get("vllm:spec_decode_num_drafts_total", 0.0)
     draft_tokens = metrics.get("vllm:spec_decode_num_draft_tokens_total", 0.0)
     accepted = metrics.get("vllm:spec_decode_num_accepted_tokens_total", 0.0)
-    per_position = [
-        metrics.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{i}]", 0.0) for i in range(4)
-    ]
+    per_position = [metrics.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{i}]", 0.0) for i in range(4)]
     assert drafts > 0, metrics
     assert draft_tokens == NUM_SPECULATIVE_TOKENS * drafts, metrics
     # The trained drafter predicts the memorised corpus: most drafts are accepted.
@@ -318,9 +308,7 @@ def attention_probe() -> dict:
     block_table = torch.tensor(block_rows, dtype=torch.int32)
 
     def slots(request: int, positions: range) -> torch.Tensor:
-        return torch.tensor(
-            [block_rows[request][p // block_size] * block_size + p % block_size for p in positions]
-        )
+        return torch.tensor([block_rows[request][p // block_size] * block_size + p % block_size for p in positions])
 
     keys, values = [], []
     for request, length in enumerate(context_lens):
@@ -334,9 +322,7 @@ def attention_probe() -> dict:
     query = torch.randn(total, heads, head_dim).to(dtype)
     query_keys = torch.randn(total, kv_heads, head_dim).to(dtype)
     query_values = torch.randn(total, kv_heads, head_dim).to(dtype)
-    slot_mapping = torch.cat([slots(r, range(n, n + block_query)) for r, n in enumerate(context_lens)]).to(
-        torch.int64
-    )
+    slot_mapping = torch.cat([slots(r, range(n, n + block_query)) for r, n in enumerate(context_lens)]).to(torch.int64)
     query_start_loc = torch.arange(len(context_lens) + 1, dtype=torch.int32) * block_query
     seq_lens = torch.tensor([n + block_query for n in context_lens], dtype=torch.int32)
     common = CommonAttentionMetadata(

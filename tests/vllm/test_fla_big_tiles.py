@@ -198,9 +198,7 @@ def _pick_for(device: str) -> dict[str, Any]:
 
     name, backend, capability, shared = DEVICES[device]
     if triton_utils.HAS_TRITON:
-        raise RuntimeError(
-            "vLLM found a real Triton driver here; this driver fakes the GPU on CPU hosts only"
-        )
+        raise RuntimeError("vLLM found a real Triton driver here; this driver fakes the GPU on CPU hosts only")
     for module in [m for m in sys.modules if m.startswith("vllm.model_executor.layers.fla")]:
         del sys.modules[module]
     triton_utils.triton.runtime = SimpleNamespace(
@@ -248,9 +246,7 @@ def _compile_for_gb10() -> dict[str, Any]:
         rebound.__module__, rebound.__qualname__ = function.__module__, function.__qualname__
         return triton.jit(rebound)
 
-    def shared_bytes(
-        kernel: Any, signature: dict[str, str], constants: dict[str, Any], **options: int
-    ) -> int:
+    def shared_bytes(kernel: Any, signature: dict[str, str], constants: dict[str, Any], **options: int) -> int:
         source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
         return triton.compile(source, target=target, options=options).metadata.shared
 

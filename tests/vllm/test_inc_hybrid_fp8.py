@@ -48,9 +48,7 @@ pytestmark = pytest.mark.vllm
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PATCH = REPO_ROOT / "files/patches/vllm-0.23.0/0002-inc-hybrid-fp8.patch"
 LAYERS = ("language_model.model.layers.0", "language_model.model.layers.1")
-FP8_PREFIXES = {
-    f"{layer}.mlp.shared_expert.{proj}" for layer in LAYERS for proj in ("gate_up_proj", "down_proj")
-}
+FP8_PREFIXES = {f"{layer}.mlp.shared_expert.{proj}" for layer in LAYERS for proj in ("gate_up_proj", "down_proj")}
 HUB_REPO = "sparkfleet-test/tiny-hybrid-fp8"
 HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
 INT4_PREFIXES = {
@@ -98,9 +96,7 @@ def build_vllm_tree(dest: Path, patch: Path | None) -> Path:
             target.unlink()
             shutil.copyfile(source.parent / rel, target)
             cached = (
-                target.parent
-                / "__pycache__"
-                / f"{target.stem}.cpython-{sys.version_info[0]}{sys.version_info[1]}.pyc"
+                target.parent / "__pycache__" / f"{target.stem}.cpython-{sys.version_info[0]}{sys.version_info[1]}.pyc"
             )
             cached.unlink(missing_ok=True)
         result = subprocess.run(
@@ -174,18 +170,14 @@ def _linear_decisions(run: dict[str, Any]) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("scales", ["block", "tensor"])
-def test_patched_dispatches_fp8_for_exactly_the_fp8_layers(
-    results: dict[str, dict[str, Any]], scales: str
-) -> None:
+def test_patched_dispatches_fp8_for_exactly_the_fp8_layers(results: dict[str, dict[str, Any]], scales: str) -> None:
     run = results[f"patched-{scales}"]
     decisions = _linear_decisions(run)
     fp8 = {prefix for prefix, method in decisions.items() if method == "Fp8LinearMethod"}
     assert fp8 == FP8_PREFIXES, f"FP8 dispatch went to {sorted(fp8)}"
     # The recorded names are the checkpoint's, renamed by the model's mapper.
     assert sorted(run["fp8_layers"]) == sorted(
-        f"{layer}.mlp.shared_expert.{proj}"
-        for layer in LAYERS
-        for proj in ("gate_proj", "up_proj", "down_proj")
+        f"{layer}.mlp.shared_expert.{proj}" for layer in LAYERS for proj in ("gate_proj", "up_proj", "down_proj")
     )
     expected_block = [128, 128] if scales == "block" else None
     for prefix in FP8_PREFIXES:
@@ -390,9 +382,7 @@ def _load_and_run_shared_experts(model: Any, ckpt: str) -> dict[str, dict[str, A
                 represented = torch.cat([shard * module.weight_scale.data[i] for i, shard in enumerate(rows)])
             else:
                 represented = module.weight.data.to(torch.float32)
-            entry["represented_rel_error"] = float(
-                (represented - reference_weight).norm() / reference_weight.norm()
-            )
+            entry["represented_rel_error"] = float((represented - reference_weight).norm() / reference_weight.norm())
             report[prefix] = entry
     return report
 
@@ -489,9 +479,7 @@ def _driver(out: str, jobs: list[str]) -> None:
             from vllm.transformers_utils.config import get_safetensors_params_metadata
 
             results[job]["tensors_without_revision"] = len(get_safetensors_params_metadata(repo))
-            results[job]["tensors_with_revision"] = len(
-                get_safetensors_params_metadata(repo, revision=revision)
-            )
+            results[job]["tensors_with_revision"] = len(get_safetensors_params_metadata(repo, revision=revision))
         elif mode == "full":
             with set_current_vllm_config(vllm_config):
                 results[job]["loaded"] = _load_and_run_shared_experts(model, ckpt)

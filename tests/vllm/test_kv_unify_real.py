@@ -353,7 +353,8 @@ class RealVLLM:
             spec = group.kv_cache_spec
             if isinstance(spec, MambaSpec) and outcome.mamba_page_size_bytes:
                 outcome.padding_pct = round(
-                    100 * (spec.page_size_bytes - outcome.mamba_page_size_bytes) / outcome.mamba_page_size_bytes, 4
+                    100 * (spec.page_size_bytes - outcome.mamba_page_size_bytes) / outcome.mamba_page_size_bytes,
+                    4,
                 )
             if isinstance(spec, AttentionSpec):
                 outcome.padded_attention |= spec.page_size_padded is not None
@@ -527,7 +528,12 @@ def grid_cases() -> list[Case]:
         for revision in DRAFTERS:
             cases.append(
                 Case(
-                    f"kv {kv_dtype}", target, DRAFTERS_JSON[revision], f"dflash {revision}", 12, kv_cache_dtype=kv_dtype
+                    f"kv {kv_dtype}",
+                    target,
+                    DRAFTERS_JSON[revision],
+                    f"dflash {revision}",
+                    12,
+                    kv_cache_dtype=kv_dtype,
                 )
             )
     for revision in DRAFTERS:
@@ -567,7 +573,14 @@ def grid_cases() -> list[Case]:
     # prefix caching on (mamba cache mode "align"; the KV cache manager gets the hybrid coordinator)
     for revision in DRAFTERS:
         cases.append(
-            Case("prefix caching", target, DRAFTERS_JSON[revision], f"dflash {revision}", 8, enable_prefix_caching=True)
+            Case(
+                "prefix caching",
+                target,
+                DRAFTERS_JSON[revision],
+                f"dflash {revision}",
+                8,
+                enable_prefix_caching=True,
+            )
         )
     # the CPU platform (sandbox): block 128, CPU_ATTN
     for revision in DRAFTERS:
@@ -583,7 +596,14 @@ def evaluate(real: RealVLLM, cases: list[Case]) -> list[dict[str, Any]]:
     rows = []
     for case in cases:
         for patched in (False, True):
-            rows.append({"case": case, "patched": patched, "real": real.run(case, patched), "plan": case.plan(patched)})
+            rows.append(
+                {
+                    "case": case,
+                    "patched": patched,
+                    "real": real.run(case, patched),
+                    "plan": case.plan(patched),
+                }
+            )
     return rows
 
 
@@ -617,7 +637,11 @@ def _find(rows: list[dict[str, Any]], name: str, n: int, patched: bool) -> Outco
 
 @pytest.mark.parametrize(
     ("n", "block", "padding_line"),
-    [(5, 2144, None), (8, 2192, "Padding mamba page size by 0.55%"), (12, 2240, "Padding mamba page size by 0.54%")],
+    [
+        (5, 2144, None),
+        (8, 2192, "Padding mamba page size by 0.55%"),
+        (12, 2240, "Padding mamba page size by 0.54%"),
+    ],
 )
 def test_stock_alignment_reproduces_the_reference_log_lines(
     reference_rows: list[dict[str, Any]], n: int, block: int, padding_line: str | None
@@ -659,7 +683,12 @@ def test_patch_keeps_what_stock_already_handles(
     for stock_row in stock_ok:
         patched_row = next(r for r in rows if r["case"] is stock_row["case"] and r["patched"])
         stock, patched = stock_row["real"], patched_row["real"]
-        assert (patched.ok, patched.attention_block_size, patched.drafter_block_size, patched.page_size_bytes) == (
+        assert (
+            patched.ok,
+            patched.attention_block_size,
+            patched.drafter_block_size,
+            patched.page_size_bytes,
+        ) == (
             stock.ok,
             stock.attention_block_size,
             stock.drafter_block_size,
@@ -753,7 +782,11 @@ def test_a_padded_attention_page_with_a_smaller_kernel_block_mis_strides(real_vl
             check_kv_views([KVCacheGroupSpec(["a"], padded)], [16], backend, vllm_config.cache_config, torch)
     planner_specs = [
         kv_page_plan._Spec(
-            "drafter attention", "attention", 1040, bytes_per_token=2048, page_size_padded=padded.page_size_bytes
+            "drafter attention",
+            "attention",
+            1040,
+            bytes_per_token=2048,
+            page_size_padded=padded.page_size_bytes,
         )
     ]
     with pytest.raises(kv_page_plan._UnifyError, match="setStorage"):
@@ -820,7 +853,12 @@ def _agrees(row: dict[str, Any]) -> bool:
         predicted.drafter_block_size,
         predicted.page_size_bytes,
         round(predicted.padding_pct, 2),
-    ) == (real.attention_block_size, real.drafter_block_size, real.page_size_bytes, round(real.padding_pct, 2))
+    ) == (
+        real.attention_block_size,
+        real.drafter_block_size,
+        real.page_size_bytes,
+        round(real.padding_pct, 2),
+    )
 
 
 def render_document(reference: list[dict[str, Any]], grid: list[dict[str, Any]], seconds: float) -> str:

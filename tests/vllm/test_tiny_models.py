@@ -123,18 +123,13 @@ def test_chat_template_renders_chatml_and_tool_calls(quick_models: Path) -> None
         {
             "role": "assistant",
             "content": "",
-            "tool_calls": [
-                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-            ],
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
         },
         {"role": "tool", "content": "sunny"},
     ]
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\n# Tools")
-    assert (
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
-        in text
-    )
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n' in text
     assert "<tool_response>\nsunny\n</tool_response>" in text
     assert text.endswith("<|im_start|>assistant\n")
     assert tokenizer.eos_token == "<|im_end|>"
