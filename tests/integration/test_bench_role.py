@@ -19,7 +19,8 @@ import pytest
 
 from tests.integration.conftest import ROOT, run_playbook
 
-pytestmark = [pytest.mark.sandbox]
+# runs against the fleet after one real deploy (tests/integration/conftest.py: converged_fleet)
+pytestmark = [pytest.mark.sandbox, pytest.mark.usefixtures("converged_fleet")]
 
 METHODS = ["decode", "e2e", "serving"]
 # The tiny models stop after a few tokens and have a 512-token context: generate past EOS, and leave out

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import yaml
 
-pytestmark = pytest.mark.sandbox
+# runs against the fleet after one real deploy (tests/integration/conftest.py: converged_fleet)
+pytestmark = [pytest.mark.sandbox, pytest.mark.usefixtures("converged_fleet")]
 
 ROOT = Path(__file__).resolve().parents[2]
 RESTART_HOST = "spark-03"
