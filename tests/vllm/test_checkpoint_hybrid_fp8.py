@@ -135,16 +135,36 @@ def vllm_loaded(built: dict[str, Any]) -> dict[str, Any]:
 
     root = built["root"]
     site = build_vllm_tree(root / "patched", PATCH)
+    stock_site = build_vllm_tree(root / "stock", None)
     out = root / "vllm-out"
     out.mkdir()
-    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO_ROOT}", HF_HUB_OFFLINE="1")
-    env["VLLM_CACHE_ROOT"] = str(root / "vllm-cache")
+
+    def environment(tree: Path, cache: str) -> dict[str, str]:
+        env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{REPO_ROOT}", HF_HUB_OFFLINE="1")
+        env["VLLM_CACHE_ROOT"] = str(root / cache)
+        return env
+
     command = [sys.executable, __file__, str(out), str(built["tensor"]), str(built["block"])]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, f"driver failed:\n{(result.stdout + result.stderr)[-8000:]}"
+    patched = subprocess.Popen(
+        command, env=environment(site, "vllm-cache"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    # Stock vLLM on the same output, through test_inc_hybrid_fp8.py's driver: it must refuse, not load FP8
+    # bytes as BF16 values (the rewritten extra_config says 8 bits).
+    inc_driver = Path(__file__).with_name("test_inc_hybrid_fp8.py")
+    stock_command = [sys.executable, str(inc_driver), str(root / "stock.json"), f"{built['tensor']}:full"]
+    stock = subprocess.Popen(
+        stock_command, env=environment(stock_site, "vllm-cache-stock"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    output, _ = patched.communicate(timeout=300)
+    assert patched.returncode == 0, f"driver failed:\n{output.decode(errors='replace')[-8000:]}"
+    stock_output, _ = stock.communicate(timeout=300)
     import torch
 
-    return {**json.loads((out / "report.json").read_text()), "matrices": torch.load(out / "shared.pt")}
+    return {
+        **json.loads((out / "report.json").read_text()),
+        "matrices": torch.load(out / "shared.pt"),
+        "stock": {"returncode": stock.returncode, "output_tail": stock_output.decode(errors="replace")[-3000:]},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +291,13 @@ def test_patched_vllm_loads_the_per_tensor_output_as_fp8(vllm_loaded: dict[str, 
         assert entry["weight_bytes_equal_checkpoint"], prefix
         assert entry["scales_equal_checkpoint"], prefix
     assert vllm_loaded["tensor"]["int4_methods"] == ["AutoGPTQLinearMethod"]
+
+
+def test_stock_vllm_refuses_the_output_instead_of_misloading_it(vllm_loaded: dict[str, Any]) -> None:
+    # On CPU stock INC builds the 8-bit extra_config entries with its w4a16 path, which refuses them.
+    stock = vllm_loaded["stock"]
+    assert stock["returncode"] != 0, stock["output_tail"]
+    assert "only supports 4-bit quantization, got weight_bits=8" in stock["output_tail"], stock["output_tail"]
 
 
 def test_patched_vllm_dispatches_the_block_output_to_block_fp8(vllm_loaded: dict[str, Any]) -> None:
