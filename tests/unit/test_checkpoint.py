@@ -324,8 +324,11 @@ def _offline_snapshot(tmp_path: Path, donor: Path, files: tuple[str, ...], monke
     snapshot.mkdir(parents=True)
     for name in files:
         shutil.copyfile(donor / name, snapshot / name)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # setattr first: it imports huggingface_hub before the variable is set, so the value it
+    # restores afterwards is the real one, not a True read at import time (which would leave every
+    # later test in this process offline)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return tmp_path / "hf"
 
 
