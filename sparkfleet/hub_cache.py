@@ -20,6 +20,9 @@ CLI (``sparkfleet weights``):
     sparkfleet weights describe --repo ORG/NAME --revision SHA --seed-dir DIR [--allow-pattern P ...]
     sparkfleet weights fetch --manifest DIR/manifests/NAME@SHA.json --seed-dir DIR [--file PATH ...]
     sparkfleet weights verify --manifest M --dir DIR
+    sparkfleet weights manifest --dir DIR --name NAME --revision KEY --seed-dir DIR
+The last one describes a directory made on the seed (the dense profile's hybrid checkpoint, built there
+by ``model_cache``) in the same manifest format, so it fans out and is verified like hub weights.
 The token for gated repos comes from ``--token-file`` (Ansible writes it to a 0600 file for the run:
 never in argv, in a logged environment or in module arguments), ``--token-stdin`` or huggingface_hub's
 own ``HF_TOKEN``; it is never printed.
@@ -486,6 +489,35 @@ def verify_directory(manifest: Manifest, directory: Path) -> list[str]:
     return problems
 
 
+def describe_directory(directory: Path, name: str, revision: str, seed_dir: Path) -> Manifest:
+    """The manifest of a directory the seed made itself (every file's size and sha256).
+
+    The repo is ``built/<name>`` and the revision a 40-hex key of the build's inputs. A file hashed
+    before and unchanged since (same size and mtime) is not read again, so a re-run costs no hashing.
+    """
+    check_revision(f"built/{name}", revision)
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise HubCacheError(f"{directory}: no such directory; build it first")
+    probe = Manifest(f"built/{name}", revision, ())
+    seed = SeedCache(seed_dir)
+    records = seed.load_records(probe)
+    files = []
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        relative = path.relative_to(directory).as_posix()
+        stat = path.stat()
+        record = records.get(relative)
+        if record is None or (record.size, record.mtime_ns) != (stat.st_size, stat.st_mtime_ns):
+            record = VerifyRecord(stat.st_size, stat.st_mtime_ns, sha256_of_file(path))
+            records[relative] = record
+        files.append(ManifestFile(relative, stat.st_size, record.sha256, None, False))
+    if not files:
+        raise HubCacheError(f"{directory}: empty; the build wrote nothing")
+    records = {f.path: records[f.path] for f in files}
+    seed.save_records(probe, records)
+    return Manifest(probe.repo, revision, tuple(files))
+
+
 # -- CLI ---------------------------------------------------------------------------------------------
 
 
@@ -534,6 +566,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify_parser.add_argument("--manifest", type=Path, required=True)
     verify_parser.add_argument("--dir", type=Path, required=True)
     verify_parser.set_defaults(func=run_verify)
+
+    manifest_parser = actions.add_parser("manifest", help="write the manifest of a directory built on the seed")
+    manifest_parser.add_argument("--dir", type=Path, required=True, help="the built directory")
+    manifest_parser.add_argument("--name", required=True, help="the model name (the manifest's repo: built/NAME)")
+    manifest_parser.add_argument("--revision", required=True, help="a 40-hex key of the build's inputs")
+    manifest_parser.add_argument("--seed-dir", type=Path, required=True, help="the seed cache")
+    manifest_parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    manifest_parser.set_defaults(func=run_manifest)
 
 
 def run_describe(args: argparse.Namespace) -> int:
@@ -627,6 +667,25 @@ def run_verify(args: argparse.Namespace) -> int:
         f"verified={'yes' if not problems else 'NO'}"
     )
     return 0 if not problems else 1
+
+
+def run_manifest(args: argparse.Namespace) -> int:
+    try:
+        manifest = describe_directory(args.dir, args.name, args.revision, args.seed_dir)
+        path = SeedCache(args.seed_dir).write_manifest(manifest)
+    except HubCacheError as error:
+        print(f"sparkfleet weights: {error}", file=sys.stderr)
+        return 1
+    result = {
+        "manifest": str(path),
+        "snapshot": str(args.dir),
+        "revision": manifest.revision,
+        "files": len(manifest.files),
+        "total_bytes": manifest.total_bytes,
+    }
+    print(json.dumps(result) if args.json else f"{args.dir}: {len(manifest.files)} files, "
+          f"{human_bytes(manifest.total_bytes)}; {path}")  # fmt: skip
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

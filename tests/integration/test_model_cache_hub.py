@@ -134,7 +134,10 @@ def test_one_seed_per_fleet_then_repair_from_the_seed(fleet, hub: HubDouble, tmp
     assert sha256_on(fleet, "spark-03", f"{CACHE_DIR}/tiny-dflash/config.json") == sha256_on(
         fleet, "spark-01", f"{CACHE_DIR}/tiny-dflash/config.json"
     )
-    assert "model_cache spark-02: 2 hub models, 12 files," in second.output and "sent 1 files" in second.output
+    repaired = next(
+        line for line in second.output.splitlines() if "model_cache spark-02: 2 hub models, 12 files," in line
+    )
+    assert "received 1 files" in repaired and "from spark-01," in repaired  # host to host, not from the seed
 
 
 def test_a_branch_is_refused_before_any_request(fleet, hub: HubDouble, tmp_path: Path) -> None:  # noqa: ANN001
