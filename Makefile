@@ -127,9 +127,11 @@ switch: check-profile ## Move hosts to PROFILE one at a time, health-gated; a fa
 
 # Rolling keeps each host's own profile unless PROFILE is given on the command line.
 ROLL_PROFILE := $(if $(filter command line environment,$(origin PROFILE)),-e sparkfleet_profile=$(PROFILE),)
+ROLL_BENCH ?=
 .PHONY: rolling
-rolling: check-profile ## Re-provision the fleet in batches (SERIAL=1 or 25%), health-gated, stop on failure
-	$(PLAYBOOK) playbooks/rolling.yml $(ROLL_PROFILE) -e sparkfleet_rolling_serial=$(SERIAL)
+rolling: check-profile ## Re-provision in batches (SERIAL=1 or 25%): health gate + quick bench (ROLL_BENCH=decode|none)
+	$(PLAYBOOK) playbooks/rolling.yml $(ROLL_PROFILE) -e sparkfleet_rolling_serial=$(SERIAL) \
+	  $(if $(ROLL_BENCH),-e sparkfleet_rolling_bench_methods=$(ROLL_BENCH),)
 
 .PHONY: health
 health: $(VENV)/.stamp ## Health-check every host of INVENTORY [LIMIT=host]

@@ -10,6 +10,7 @@ so vLLM refuses to start and the host's health gate fails.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,7 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
 DFLASH = "sparkfleet-vllm-dflash.service"
 BASE = "sparkfleet-vllm-base.service"
+DENSE = "sparkfleet-vllm-dense.service"
 BROKEN = {"max-model-len": 1_000_000}  # beyond the tiny models' max_position_embeddings
 
 
@@ -59,21 +61,24 @@ def inventory_with_host_vars(tmp_path: Path):
     return add
 
 
-def test_switch_both_ways(converged_fleet, sandbox_fleet) -> None:
+def test_switch_to_dense_and_back(converged_fleet, sandbox_fleet) -> None:
     host = sandbox_fleet.names[-1]
-    to_base = run_playbook("playbooks/switch.yml", "--limit", host, "-e", "sparkfleet_profile=base")
-    assert to_base.returncode == 0, to_base.output[-4000:]
-    assert active(sandbox_fleet, host, BASE) == "active"
+    to_dense = run_playbook("playbooks/switch.yml", "--limit", host, "-e", "sparkfleet_profile=dense")
+    assert to_dense.returncode == 0, to_dense.output[-4000:]
+    assert active(sandbox_fleet, host, DENSE) == "active"
     assert active(sandbox_fleet, host, DFLASH) == "inactive"  # Conflicts= stopped it
     assert enabled(sandbox_fleet, host, DFLASH) == "disabled"  # and it will not start at boot
-    assert state(sandbox_fleet, host)["profile"] == "base"
-    assert "health=ok" in to_base.output
+    assert state(sandbox_fleet, host)["profile"] == "dense"
+    # the dense profile's own switches reach the server
+    env = sandbox_fleet.ssh(host, f"systemctl show -p Environment --value {DENSE}").stdout
+    assert "VLLM_SPARKFLEET_INT8_LMHEAD=1" in env
+    assert "health=ok" in to_dense.output
 
     back = run_playbook("playbooks/switch.yml", "--limit", host, "-e", "sparkfleet_profile=dflash")
     assert back.returncode == 0, back.output[-4000:]
     assert active(sandbox_fleet, host, DFLASH) == "active"
-    assert active(sandbox_fleet, host, BASE) == "inactive"
-    assert enabled(sandbox_fleet, host, BASE) == "disabled"
+    assert active(sandbox_fleet, host, DENSE) == "inactive"
+    assert enabled(sandbox_fleet, host, DENSE) == "disabled"
     assert state(sandbox_fleet, host)["profile"] == "dflash"
 
 
@@ -112,6 +117,11 @@ def test_rolling_stops_at_the_failing_host(converged_fleet, sandbox_fleet, inven
     assert active(sandbox_fleet, first, DFLASH) == "active"
     unit = sandbox_fleet.ssh(first, f"systemctl cat {DFLASH}").stdout
     assert "--max-num-seqs 3" in unit
+    # its gate ended with the quick benchmark, checked against the profile's quick baselines
+    assert re.search(rf"{first}: [1-9]\d* baseline check\(s\) passed", roll.output), roll.output[-4000:]
+    assert state(sandbox_fleet, first) == json.loads(
+        sandbox_fleet.ssh(first, "cat /etc/sparkfleet/last-good/state.json").stdout
+    )  # remembered as good only after the benchmark
     # host 2: failed its gate, rolled back to the old unit, serving
     assert "ROLLED BACK" in roll.output and failing in roll.output
     assert active(sandbox_fleet, failing, DFLASH) == "active"
@@ -121,6 +131,6 @@ def test_rolling_stops_at_the_failing_host(converged_fleet, sandbox_fleet, inven
     assert main_pid(sandbox_fleet, untouched, DFLASH) == pids_before[untouched]
     assert "--max-num-seqs 2" in sandbox_fleet.ssh(untouched, f"systemctl cat {DFLASH}").stdout
 
-    # put the fleet back as the deploy left it
-    restore = run_playbook("site.yml", "-e", "sparkfleet_profile=dflash")
+    # put the fleet back as the deploy left it (the failing host is back on it already)
+    restore = run_playbook("site.yml", "--limit", first, "-e", "sparkfleet_profile=dflash")
     assert restore.returncode == 0, restore.output[-4000:]

@@ -1173,6 +1173,9 @@ def nspawn_argv(host: Host) -> list[str]:
         "--console=read-only",
         "--link-journal=no",
         "--resolv-conf=off",
+        # Each host has its own network namespace, so this reaches only the host's own network:
+        # enough for the serving role's nftables allow-list, nothing of the machine's.
+        "--capability=CAP_NET_ADMIN",
         f"--bind-ro={APT_REPO_DIR}:{HOST_APT_REPO}",
     ]
     if WHEELHOUSE_DIR.is_dir():

@@ -268,7 +268,8 @@ def test_decode_tpot_agrees_with_server_metrics(live_server: LiveServer, tmp_pat
         assert [r["completion_tokens"] for r in workload["per_request"]] == [MAX_TOKENS] * workload["requests"]
         assert workload["tpot_agreement"]["window_clean"], workload["tpot_agreement"]
         spec = workload["spec_decode"]
-        assert spec["drafts"] > 0 and spec["draft_tokens"] == 3 * spec["drafts"]
+        # ngram proposes up to 3 tokens: fewer where the matched continuation runs out
+        assert 0 < spec["drafts"] <= spec["draft_tokens"] <= 3 * spec["drafts"], spec
         assert 1.0 <= spec["acceptance_length"] <= 4.0
         assert sum(spec["per_position_acceptance"]) == pytest.approx(spec["acceptance_length"] - 1)
     # the counting prompts repeat themselves: ngram speculation must accept something there

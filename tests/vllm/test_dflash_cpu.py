@@ -284,8 +284,8 @@ def test_dflash_metrics_count_drafts_and_acceptance(servers: dict) -> None:
 # PYTHONPATH is the patched tree: `python tests/vllm/test_dflash_cpu.py --attention-probe`).
 
 
-def attention_probe() -> dict:
-    """DFlash-style attention through the patched CPU backend vs an exact reference.
+def attention_probe(isa: str) -> dict:
+    """DFlash-style attention through the patched CPU backend's `isa` kernels vs an exact reference.
 
     Two requests: context K/V stored with do_kv_cache_update (0003), then a query block of five tokens
     per request run through CPUAttentionMetadataBuilder.build (causal=False, as DFlash asks) and
@@ -297,10 +297,11 @@ def attention_probe() -> dict:
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends import cpu_attn
 
+    # the cache writer (0003) and the kernels pick their family the same way: make it `isa` for both
+    cpu_attn._get_attn_isa = lambda *args, **kwargs: isa
     torch.manual_seed(0)
     heads, kv_heads, head_dim, block_size, num_blocks = 2, 1, 64, 128, 6
     dtype, scale, block_query = torch.bfloat16, 64**-0.5, 5
-    isa = cpu_attn._get_attn_isa(dtype, block_size, head_dim)
     kv_cache = torch.randn(num_blocks, kv_heads, block_size, 2 * head_dim).to(dtype)
     impl = cpu_attn.CPUAttentionBackendImpl(heads, head_dim, scale, kv_heads, None, None, "auto")
     layer = SimpleNamespace(_k_scale_float=1.0, _v_scale_float=1.0)
@@ -363,6 +364,19 @@ def attention_probe() -> dict:
     return {"isa": isa, "causal": metadata.causal, "max_abs_error": worst}
 
 
+def attention_probes() -> list[dict]:
+    """The probe for every kernel family this CPU runs: "vec" always (x86), "amx" where vLLM picks it."""
+    import torch
+
+    isas = ["vec"]
+    if torch.cpu._is_amx_tile_supported():
+        # Linux lets a process use AMX tiles only after asking (arch_prctl XCOMP_PERM); in a server,
+        # oneDNN's bf16 GEMMs ask before the first attention call, here the attention kernel is first.
+        assert torch.cpu._init_amx(), "the kernel refused this process AMX tile data"
+        isas.append("amx")
+    return [attention_probe(isa) for isa in isas]
+
+
 def test_noncausal_attention_is_exact_on_patched_tree(patched_site: Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(patched_site), str(REPO)]))
     result = subprocess.run(
@@ -374,11 +388,13 @@ def test_noncausal_attention_is_exact_on_patched_tree(patched_site: Path) -> Non
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    probe = json.loads(result.stdout.strip().splitlines()[-1])
-    # DFlash asserts its metadata stays non-causal; the result must be exact up to bf16 rounding.
-    assert probe["causal"] is False, probe
-    assert probe["max_abs_error"] < 0.02, probe
+    probes = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [p["isa"] for p in probes][:1] == ["vec"], probes
+    for probe in probes:
+        # DFlash asserts its metadata stays non-causal; the result must be exact up to bf16 rounding.
+        assert probe["causal"] is False, probe
+        assert probe["max_abs_error"] < 0.02, probe
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--attention-probe"]:
-    print(json.dumps(attention_probe()))
+    print(json.dumps(attention_probes()))

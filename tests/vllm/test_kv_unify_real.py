@@ -612,8 +612,26 @@ def evaluate(real: RealVLLM, cases: list[Case]) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def gpu_like_cache_settings() -> Iterator[None]:
+    """The alignment under test is a GPU's. On a CPU with AMX tiles, vLLM's CPU platform turns prefix
+    caching off for linear-attention models while it builds the config (and then refuses the Mamba
+    block size that prefix caching chose): no GB10 does that, so the probe sees no AMX."""
+    import torch
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+        yield
+
+
 @pytest.fixture(scope="module")
-def real_vllm(tmp_path_factory: pytest.TempPathFactory) -> RealVLLM:
+def no_amx() -> Iterator[None]:
+    with gpu_like_cache_settings():
+        yield
+
+
+@pytest.fixture(scope="module")
+def real_vllm(tmp_path_factory: pytest.TempPathFactory, no_amx: None) -> RealVLLM:
     return RealVLLM(tmp_path_factory.mktemp("kv_unify"))
 
 
@@ -927,8 +945,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", type=Path, help="write the Markdown table to this file")
     args = parser.parse_args(argv)
     start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="kv_unify_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kv_unify_") as tmp, contextlib.ExitStack() as stack:
         os.environ.setdefault("VLLM_CACHE_ROOT", str(Path(tmp) / "vllm_cache"))
+        stack.enter_context(gpu_like_cache_settings())
         real = RealVLLM(Path(tmp))
         reference = evaluate(real, reference_cases())
         grid = evaluate(real, grid_cases())
