@@ -201,17 +201,21 @@ def test_a_cut_copy_resumes_without_sending_finished_files(fleet, hub: HubDouble
     check = run_playbook(*write_run(tmp, hub, revision), "--check", timeout=600)
     assert check.returncode == 0, check.output[-4000:]
     assert check.changed()["spark-02"] > 0 and check.changed()["spark-01"] == 0
+    assert "spark-02 would receive 2 files" in check.output and "verified=no" in summary(check, "spark-02")
     assert partial_size(fleet, "spark-02", directory, second_shard) == kept
 
     resumed = run_playbook(*write_run(tmp, hub, revision), timeout=600)
     assert resumed.returncode == 0, resumed.output[-4000:]
     line = summary(resumed, "spark-02")
-    assert "received 3 files" in line and "verified=yes" in line, line  # not the finished first shard
+    # rsync copies in name order: config.json and the first shard were done before the cut
+    assert "received 2 files" in line and "verified=yes" in line, line
     # the resumed shard crossed the wire only for what was missing (rsync's count of the bytes it moved)
-    wire = int(line.split("received 3 files (", 1)[1].split(" bytes on the wire", 1)[0])
-    small = len(files["config.json"]) + len(files["tokenizer.json"])
+    wire = int(line.split("received 2 files (", 1)[1].split(" bytes on the wire", 1)[0])
+    small = len(files["tokenizer.json"])
     assert wire < len(files[second_shard]) - kept + small + 64 * 1024, f"{wire} bytes: the cut shard was sent whole"
-    assert resumed.changed()["spark-01"] == 0 and resumed.changed()["spark-03"] == 0
+    print(f"resume: {second_shard} {len(files[second_shard])} bytes, {kept} kept at the cut, {wire} bytes on the wire")
+    # the source only authorized the run's key and removed it again; the third host was not touched
+    assert resumed.changed()["spark-01"] == 2 and resumed.changed()["spark-03"] == 0
     assert sha256_on(fleet, "spark-02", f"{directory}/{second_shard}") == sha256_on(
         fleet, "spark-01", f"{directory}/{second_shard}"
     )
