@@ -340,6 +340,7 @@ if triton is not None:
         BF16_RN_BY_BITS: tl.constexpr,
         TILED: tl.constexpr,
         EVICT_FIRST: tl.constexpr,
+        WITH_BOUNDS: tl.constexpr,
     ):
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -359,6 +360,9 @@ if triton is not None:
             w_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_q + offs_k[None, :]
             w_step = BLOCK_K
         x_ptrs = x_ptr + toks[:, None].to(tl.int64) * stride_x + offs_k[None, :]
+        # Token rows past the batch are masked, not clamped: clamped rows all read the last token's
+        # lines, and every program hitting the same few L2 lines slowed batch 1 (H200 explore logs).
+        x_mask = mask_b[:, None]
         if W_IS_A:
             acc = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.float32)
         else:
@@ -372,9 +376,9 @@ if triton is not None:
             else:
                 w = tl.load(w_ptrs, mask=((k0 + offs_k) < hidden)[None, :], other=0)
             if EVEN_K:  # noqa: SIM108 - constexpr branches, kept as statements for Triton
-                xt = tl.load(x_ptrs)
+                xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
             else:
-                xt = tl.load(x_ptrs, mask=((k0 + offs_k) < hidden)[None, :], other=0.0)
+                xt = tl.load(x_ptrs, mask=x_mask & ((k0 + offs_k) < hidden)[None, :], other=0.0)
             if CONVERT == 1:
                 # int8 -> bf16, exact: flip the sign bit (q + 128 as a byte), place the byte in the
                 # mantissa of 2**23 (prmt), subtract 2**23 + 128 in fp32, keep the high halves
@@ -423,21 +427,22 @@ if triton is not None:
             z += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
         out_ptrs = out_ptr + offs_b[None, :].to(tl.int64) * stride_out + offs_v[:, None]
         tl.store(out_ptrs, _to_output_dtype(z, out_ptr, BF16_RN_BY_BITS), mask=mask_v[:, None] & mask_b[None, :])
-        # Error bound of each int8 logit (see the module docstring); norms carry their own slack.
-        x_l1 = tl.load(norms_ptr + toks * 2)
-        x_l2 = tl.load(norms_ptr + toks * 2 + 1)
-        err_max = tl.load(err_max_ptr + rows)
-        err_l2 = tl.load(err_l2_ptr + rows)
-        quant = tl.minimum(err_max[:, None] * x_l1[None, :], err_l2[:, None] * x_l2[None, :])
-        delta = (quant + (acc_err_coef * scale)[:, None] * x_l1[None, :] + tl.abs(z) * 4.0e-7) * slack
-        valid = (offs_v < num_valid_rows)[:, None] & mask_b[None, :]
-        lo = tl.where(valid, z - delta, -float("inf"))
-        hi = tl.where(valid, z + delta, -float("inf"))
-        block_ptrs = offs_b.to(tl.int64) * stride_block + pid_v
-        tl.store(block_lo_ptr + block_ptrs, tl.max(lo, axis=0), mask=mask_b)
-        tl.store(block_hi_ptr + block_ptrs, tl.max(hi, axis=0), mask=mask_b)
+        if WITH_BOUNDS:
+            # Error bound of each int8 logit (see the module docstring); norms carry their own slack.
+            x_l1 = tl.load(norms_ptr + toks * 2)
+            x_l2 = tl.load(norms_ptr + toks * 2 + 1)
+            err_max = tl.load(err_max_ptr + rows)
+            err_l2 = tl.load(err_l2_ptr + rows)
+            quant = tl.minimum(err_max[:, None] * x_l1[None, :], err_l2[:, None] * x_l2[None, :])
+            delta = (quant + (acc_err_coef * scale)[:, None] * x_l1[None, :] + tl.abs(z) * 4.0e-7) * slack
+            valid = (offs_v < num_valid_rows)[:, None] & mask_b[None, :]
+            lo = tl.where(valid, z - delta, -float("inf"))
+            hi = tl.where(valid, z + delta, -float("inf"))
+            block_ptrs = offs_b.to(tl.int64) * stride_block + pid_v
+            tl.store(block_lo_ptr + block_ptrs, tl.max(lo, axis=0), mask=mask_b)
+            tl.store(block_hi_ptr + block_ptrs, tl.max(hi, axis=0), mask=mask_b)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel for all batches of a bucket
     def _int8_logits_kernel(
         x_ptr,  # [B, K] activations (bf16/fp16/fp32)
         q_ptr,  # [V, K] int8
@@ -471,6 +476,7 @@ if triton is not None:
         PERSISTENT: tl.constexpr,
         TILED: tl.constexpr,
         EVICT_FIRST: tl.constexpr,
+        WITH_BOUNDS: tl.constexpr,
     ):
         pid_b = tl.program_id(1)
         if PERSISTENT:
@@ -480,13 +486,13 @@ if triton is not None:
                                   norms_ptr, out_ptr, block_lo_ptr, block_hi_ptr, num_tokens, num_rows,
                                   num_valid_rows, hidden, stride_x, stride_q, stride_out, stride_block,
                                   acc_err_coef, slack, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A,
-                                  EVEN_K, BF16_RN_BY_BITS, TILED, EVICT_FIRST)  # fmt: skip
+                                  EVEN_K, BF16_RN_BY_BITS, TILED, EVICT_FIRST, WITH_BOUNDS)  # fmt: skip
         else:
             _int8_logits_tile(tl.program_id(0), pid_b, x_ptr, q_ptr, scale_ptr, err_max_ptr, err_l2_ptr,
                               bias_ptr, norms_ptr, out_ptr, block_lo_ptr, block_hi_ptr, num_tokens, num_rows,
                               num_valid_rows, hidden, stride_x, stride_q, stride_out, stride_block,
                               acc_err_coef, slack, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A,
-                              EVEN_K, BF16_RN_BY_BITS, TILED, EVICT_FIRST)  # fmt: skip
+                              EVEN_K, BF16_RN_BY_BITS, TILED, EVICT_FIRST, WITH_BOUNDS)  # fmt: skip
 
     @triton.jit
     def _exact_rescore_kernel(
@@ -668,14 +674,18 @@ def int8_lm_head_logits(
     valid_rows = num_rows if num_valid_rows is None else min(num_valid_rows, num_rows)
     num_blocks = triton.cdiv(num_rows, cfg.block_v)
     out = torch.empty((num_tokens, num_rows), dtype=x.dtype, device=x.device)
-    block_lo = torch.empty((num_tokens, num_blocks), dtype=torch.float32, device=x.device)
-    block_hi = torch.empty_like(block_lo)
-    norms = torch.empty((num_tokens, 2), dtype=torch.float32, device=x.device)
+    if exact_argmax:
+        block_lo = torch.empty((num_tokens, num_blocks), dtype=torch.float32, device=x.device)
+        block_hi = torch.empty_like(block_lo)
+        norms = torch.empty((num_tokens, 2), dtype=torch.float32, device=x.device)
+    else:  # the plain int8 logits need no bounds: the kernel leaves these untouched
+        block_lo = block_hi = norms = packed.scale
     has_bias = bias is not None
     bias_arg = bias if has_bias else packed.scale
     acc_err_coef = accumulation_error_coefficient(hidden)
     slack = norm_slack(hidden)
-    _x_norms_kernel[(num_tokens,)](x, norms, hidden, x.stride(0), slack, BLOCK_K=512)
+    if exact_argmax:
+        _x_norms_kernel[(num_tokens,)](x, norms, hidden, x.stride(0), slack, BLOCK_K=512)
     persistent = cfg.programs_per_sm > 0 and not on_cpu
     grid_v = min(num_blocks, _persistent_programs(x.device, cfg.programs_per_sm)) if persistent else num_blocks
     _int8_logits_kernel[(grid_v, triton.cdiv(num_tokens, cfg.block_b))](
@@ -711,6 +721,7 @@ def int8_lm_head_logits(
         PERSISTENT=persistent,
         TILED=tiled,
         EVICT_FIRST=bool(cfg.evict_first) and not on_cpu,
+        WITH_BOUNDS=exact_argmax,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

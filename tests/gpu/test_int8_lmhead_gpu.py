@@ -75,3 +75,21 @@ def test_bias_and_odd_hidden() -> None:
     out = lmhead.int8_lm_head_logits(x, packed, weight, bias)
     want = (x.double() @ weight.double().T + bias.double()).to(torch.bfloat16).argmax(-1)
     assert out.argmax(-1).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_flat_logits_rescore_everything_and_stay_exact(batch: int) -> None:
+    """Near-identical rows: every token is a candidate (no fixed cap), the argmax still exact."""
+    gen = torch.Generator(device="cuda").manual_seed(11 + batch)
+    rows, hidden = 20_000 + 3, 3_072
+    base = (torch.randn(hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    weight = base.repeat(rows, 1)
+    # One element per row moved by about one bf16 ulp up or down: exact logits differ by a hair.
+    cols = torch.randint(0, hidden, (rows,), device="cuda", generator=gen)
+    picked = weight[torch.arange(rows, device="cuda"), cols].float()
+    sign = torch.randint(0, 2, (rows,), device="cuda", generator=gen).float() * 2 - 1
+    weight[torch.arange(rows, device="cuda"), cols] = (picked * (1 + sign * 2.0**-7)).to(torch.bfloat16)
+    x = torch.randn(batch, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    packed = lmhead.quantize_lm_head_weight(weight, tile=lmhead.weight_tile())
+    exact = lmhead.int8_lm_head_logits(x, packed, weight)
+    assert exact.argmax(-1).tolist() == bf16_reference_argmax(x, weight).tolist()
