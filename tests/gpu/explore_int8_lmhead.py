@@ -222,7 +222,7 @@ def main() -> int:
             + (f" ERROR {rec['error']}" if "error" in rec else "")
         )
 
-    # The exact path (norms, kernel with bounds, re-scoring) next to the kernel alone.
+    # The exact path (kernel with block maxima, re-scoring) next to the kernel alone.
     packed = packed_for(L.weight_tile())
     res["exact"] = {}
     for b in (1, 4, 16):
