@@ -16,11 +16,12 @@ stacking, scale parameters).
 What does not run here, and why:
 - `Fp8LinearMethod.create_weights` for 128x128 *block* scales selects a kernel, which a CPU without AMX
   lacks (`CPUFp8BlockScaledMMKernel` wants AMX; the CUDA kernels want a GPU). So that this file passes the
-  same way on every CPU, for the block-scale checkpoint the driver records every real `get_quant_method` decision during construction and, for the layers sent to
-  `Fp8LinearMethod`, lets construction go on with `UnquantizedLinearMethod` (mode `decide`): the decision
-  is exercised, the block layer is not built. The per-tensor-scale checkpoint builds for real
-  (`PerTensorTorchFP8ScaledMMLinearKernel`) and its weights load. Where the CPU has AMX, the block layers
-  are built, loaded and run for real by tests/vllm/test_checkpoint_hybrid_fp8.py.
+  same way on every CPU, for the block-scale checkpoint the driver records every real `get_quant_method`
+  decision during construction and, for the layers sent to `Fp8LinearMethod`, lets construction go on with
+  `UnquantizedLinearMethod` (mode `decide`): the decision is exercised, the block layer is not built. The
+  per-tensor-scale checkpoint builds for real (`PerTensorTorchFP8ScaledMMLinearKernel`) and its weights
+  load. Where the CPU has AMX, the block layers are built, loaded and run for real by
+  tests/vllm/test_checkpoint_hybrid_fp8.py.
 - FP8 weight processing and the FP8 GEMM: the CPU build's `_C.static_scaled_fp8_quant` /
   `dynamic_scaled_fp8_quant` are empty stubs. The loaded FP8 parameters are checked instead: bytes equal to
   the checkpoint's, scales equal, and the matrix they stand for equal to the checkpoint's dequantized one.
