@@ -24,26 +24,39 @@ to the output dtype (the dtype of ``x``, as vLLM's bf16 path returns). The stock
 first index of the maximum of ``R(z[b, :])``. The int8 logits ``zq`` differ from ``z`` by at most
 ``delta[b, v] = min(emax[v] * |x_b|_1, e2[v] * |x_b|_2) + (fp32 accumulation bound)``, where ``emax``
 and ``e2`` are the max-abs and L2 norm of the row's quantization error ``w - s * q`` (stored per row,
-rounded up). The first kernel also writes, per 64..256-row block, the largest ``zq - delta`` and
-``zq + delta``. The second kernel takes ``LB = max(zq - delta) <= max(z)`` per row and the threshold
-``T = LB - 2 ulp(LB)`` in the output dtype, and recomputes exactly (bf16 weight, fp32 accumulation)
-every row of every block whose ``max(zq + delta) >= T``. Then:
+rounded up). The first kernel also writes, per (token, 128-row block), the largest int8 logit ``zb`` of
+the block's valid rows (unrounded fp32) and its row. The second kernel, per token:
 
-* every token whose rounded exact logit can equal the rounded maximum has ``z >= T`` and so sits in a
-  recomputed block: all tied maxima are present with exact values;
+* takes the row ``r*`` with the largest int8 logit and computes its exact logit in fp32 from the bf16
+  weight; minus the fp32 summation bound ``gamma_(K+2) * sum |w_k x_k|`` that is a proven lower bound
+  ``LB <= z[r*] <= max(z)``, and ``T = LB - 2 ulp(LB)`` in the output dtype. (The previous design used
+  ``LB = max(zq - delta)``, about one bound lower: a window of twice the bound instead of once, which
+  on crowded random logits held 3 to 600 tokens per row; tests/gpu/results.)
+* skips every block whose bound (``zb`` plus one output ulp, plus ``delta`` evaluated with the block's
+  largest ``emax``, ``e2`` and ``s``) stays below ``T``; in the other blocks it recomputes exactly (bf16
+  weight, fp32 accumulation) every valid row whose own ``R(zq) + delta`` (with margins) reaches ``T``.
+
+Then:
+
+* every token whose rounded exact logit can equal the rounded maximum has ``z >= T``, so its block and
+  row pass the tests: all tied maxima are present with exact values;
 * every other token keeps its int8 logit, and ``R(zq) < R(LB) <= R(max z)``: it cannot win.
+
+The margin of 2 output ulps is one ulp more than the rounding argument needs; the spare ulp covers the
+fp32 rounding of the bound arithmetic itself (a few fp32 ulps). Vocab-padding rows (``num_valid_rows``)
+never set ``LB`` and are never re-scored.
 
 So the returned logits' argmax (first index on ties) equals the argmax of ``R(z)``. The one residue:
 the candidates' exact logits are summed in fp32 in a different order than cuBLAS; if cuBLAS's own
 fp32 rounding error pushes a value across a bf16 rounding boundary *and* that creates or breaks a tie
 at the top, the two paths can disagree (the reference itself is then order-dependent). There is no
-fixed candidate cap: a row with many near-ties recomputes more blocks (slower, still exact).
+fixed candidate cap: a row with many near-ties recomputes more rows (slower, still exact).
 
 Non-greedy sampling
 -------------------
-Tokens outside the recomputed blocks carry int8 logits, off by at most ``delta`` (typically a few
+Tokens that were not recomputed carry int8 logits, off by at most ``delta`` (typically a few
 hundredths of a logit, bounded per token as above), so sampled distributions and logprobs are close
-to, not equal to, the bf16 ones; the recomputed top of the distribution is exact.
+to, not equal to, the bf16 ones; the recomputed tokens (the top, within one bound) are exact.
 
 Enabling
 --------
@@ -78,9 +91,10 @@ INT8_LMHEAD_ENV = "VLLM_SPARKFLEET_INT8_LMHEAD"
 INT8_LMHEAD_MAX_BATCH = 64
 # Rows quantized at a time, to bound the temporary float64 memory of quantization (~400 MB).
 QUANTIZE_CHUNK_ROWS = 16384
-# Programs per batch row in the exact re-scoring kernel (2048 // batch, within these limits).
-RESCORE_MIN_PROGRAMS_PER_ROW = 32
-RESCORE_MAX_PROGRAMS_PER_ROW = 128
+# Programs per batch row in the exact re-scoring kernel (RESCORE_PROGRAMS // batch, within limits).
+RESCORE_PROGRAMS = 512
+RESCORE_MIN_PROGRAMS_PER_ROW = 16
+RESCORE_MAX_PROGRAMS_PER_ROW = 64
 # fp32 accumulation unit roundoff used in the error bound: 2**-23 instead of 2**-24, so the bound
 # also holds for accumulators that truncate (tensor cores). The bound charges it to every one of the
 # K additions; tensor cores that align a group of 8..16 products to the largest exponent lose at most
@@ -239,6 +253,17 @@ def accumulation_error_coefficient(hidden: int) -> float:
     return 127.0 * gamma
 
 
+def exact_sum_error_coefficient(hidden: int) -> float:
+    """gamma such that an fp32 sum of the K exact products w_k * x_k (+ bias) is within gamma * sum |.|.
+
+    bf16 x bf16 products are exact in fp32; any summation order of K + 1 terms errs by at most
+    gamma_{K+1} times the sum of their magnitudes (same unit roundoff as the kernel's bound).
+    """
+    unit = ACCUMULATION_UNIT_ROUNDOFF
+    terms = hidden + 2
+    return terms * unit / (1.0 - terms * unit)
+
+
 def norm_slack(hidden: int) -> float:
     """Factor that covers the fp32 rounding of |x|_1, |x|_2 and of the bound arithmetic itself."""
     return 1.0 + 4.0 * (hidden + 8) * ACCUMULATION_UNIT_ROUNDOFF
@@ -292,21 +317,6 @@ if triton is not None:
         return values.to(out_ptr.dtype.element_ty)
 
     @triton.jit
-    def _x_norms_kernel(x_ptr, norms_ptr, hidden, stride_x, slack, BLOCK_K: tl.constexpr):
-        """norms[b] = (|x_b|_1, |x_b|_2), each inflated by ``slack`` (fp32 rounding of the sums)."""
-        tok = tl.program_id(0)
-        offs = tl.arange(0, BLOCK_K)
-        l1 = tl.zeros([BLOCK_K], dtype=tl.float32)
-        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, hidden, BLOCK_K):
-            xv = tl.load(x_ptr + tok.to(tl.int64) * stride_x + k0 + offs, mask=k0 + offs < hidden, other=0.0)
-            xv = xv.to(tl.float32)
-            l1 += tl.abs(xv)
-            sq += xv * xv
-        tl.store(norms_ptr + tok * 2, tl.sum(l1, axis=0) * slack)
-        tl.store(norms_ptr + tok * 2 + 1, tl.sqrt(tl.sum(sq, axis=0)) * slack)
-
-    @triton.jit
     def _int8_logits_tile(
         pid_v,
         pid_b,
@@ -316,13 +326,14 @@ if triton is not None:
         err_max_ptr,
         err_l2_ptr,
         bias_ptr,
-        norms_ptr,
+        block_stats_ptr,
         out_ptr,
-        block_lo_ptr,
-        block_hi_ptr,
+        block_z_ptr,
+        block_row_ptr,
         num_tokens,
         num_rows,
         num_valid_rows,
+        num_blocks,
         hidden,
         stride_x,
         stride_q,
@@ -340,6 +351,7 @@ if triton is not None:
         BF16_RN_BY_BITS: tl.constexpr,
         TILED: tl.constexpr,
         EVICT_FIRST: tl.constexpr,
+        WITH_BOUNDS: tl.constexpr,
     ):
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -359,6 +371,9 @@ if triton is not None:
             w_ptrs = q_ptr + rows[:, None].to(tl.int64) * stride_q + offs_k[None, :]
             w_step = BLOCK_K
         x_ptrs = x_ptr + toks[:, None].to(tl.int64) * stride_x + offs_k[None, :]
+        # Token rows past the batch are masked, not clamped: clamped rows all read the last token's
+        # lines, and every program hitting the same few L2 lines slowed batch 1 (H200 explore logs).
+        x_mask = mask_b[:, None]
         if W_IS_A:
             acc = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.float32)
         else:
@@ -372,9 +387,9 @@ if triton is not None:
             else:
                 w = tl.load(w_ptrs, mask=((k0 + offs_k) < hidden)[None, :], other=0)
             if EVEN_K:  # noqa: SIM108 - constexpr branches, kept as statements for Triton
-                xt = tl.load(x_ptrs)
+                xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
             else:
-                xt = tl.load(x_ptrs, mask=((k0 + offs_k) < hidden)[None, :], other=0.0)
+                xt = tl.load(x_ptrs, mask=x_mask & ((k0 + offs_k) < hidden)[None, :], other=0.0)
             if CONVERT == 1:
                 # int8 -> bf16, exact: flip the sign bit (q + 128 as a byte), place the byte in the
                 # mantissa of 2**23 (prmt), subtract 2**23 + 128 in fp32, keep the high halves
@@ -423,21 +438,23 @@ if triton is not None:
             z += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
         out_ptrs = out_ptr + offs_b[None, :].to(tl.int64) * stride_out + offs_v[:, None]
         tl.store(out_ptrs, _to_output_dtype(z, out_ptr, BF16_RN_BY_BITS), mask=mask_v[:, None] & mask_b[None, :])
-        # Error bound of each int8 logit (see the module docstring); norms carry their own slack.
-        x_l1 = tl.load(norms_ptr + toks * 2)
-        x_l2 = tl.load(norms_ptr + toks * 2 + 1)
-        err_max = tl.load(err_max_ptr + rows)
-        err_l2 = tl.load(err_l2_ptr + rows)
-        quant = tl.minimum(err_max[:, None] * x_l1[None, :], err_l2[:, None] * x_l2[None, :])
-        delta = (quant + (acc_err_coef * scale)[:, None] * x_l1[None, :] + tl.abs(z) * 4.0e-7) * slack
-        valid = (offs_v < num_valid_rows)[:, None] & mask_b[None, :]
-        lo = tl.where(valid, z - delta, -float("inf"))
-        hi = tl.where(valid, z + delta, -float("inf"))
-        block_ptrs = offs_b.to(tl.int64) * stride_block + pid_v
-        tl.store(block_lo_ptr + block_ptrs, tl.max(lo, axis=0), mask=mask_b)
-        tl.store(block_hi_ptr + block_ptrs, tl.max(hi, axis=0), mask=mask_b)
+        if WITH_BOUNDS:
+            # Per (token, block): the largest int8 logit of the block's valid rows (unrounded fp32) and
+            # its row; the re-scoring kernel bounds every row of the block from these (module docstring).
+            valid_v = offs_v < num_valid_rows
+            zv = tl.where(valid_v[:, None], z, -float("inf"))
+            block_ptrs = offs_b.to(tl.int64) * stride_block + pid_v
+            tl.store(block_z_ptr + block_ptrs, tl.max(zv, axis=0), mask=mask_b)
+            tl.store(block_row_ptr + block_ptrs, pid_v * BLOCK_V + tl.argmax(zv, axis=0), mask=mask_b)
+            if pid_b == 0:
+                # x-independent per-block maxima of the per-row bound numbers (valid rows only).
+                err_max = tl.where(valid_v, tl.load(err_max_ptr + rows), 0.0)
+                err_l2 = tl.where(valid_v, tl.load(err_l2_ptr + rows), 0.0)
+                tl.store(block_stats_ptr + pid_v, tl.max(err_max, axis=0))
+                tl.store(block_stats_ptr + num_blocks + pid_v, tl.max(err_l2, axis=0))
+                tl.store(block_stats_ptr + 2 * num_blocks + pid_v, tl.max(tl.where(valid_v, scale, 0.0), axis=0))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel for all batches of a bucket
     def _int8_logits_kernel(
         x_ptr,  # [B, K] activations (bf16/fp16/fp32)
         q_ptr,  # [V, K] int8
@@ -445,10 +462,10 @@ if triton is not None:
         err_max_ptr,  # [V] fp32
         err_l2_ptr,  # [V] fp32
         bias_ptr,  # [V] or dummy
-        norms_ptr,  # [B, 2] fp32 from _x_norms_kernel
+        block_stats_ptr,  # [3, NB] fp32: per block max of err_max, err_l2, scale
         out_ptr,  # [B, V] output logits
-        block_lo_ptr,  # [B, NB] fp32: per block max of (zq - delta)
-        block_hi_ptr,  # [B, NB] fp32: per block max of (zq + delta)
+        block_z_ptr,  # [B, NB] fp32: per block max of the (unrounded) int8 logits
+        block_row_ptr,  # [B, NB] int32: the row of that maximum
         num_tokens,
         num_rows,
         num_valid_rows,  # rows >= this (vocab padding) take no part in the bound
@@ -471,22 +488,23 @@ if triton is not None:
         PERSISTENT: tl.constexpr,
         TILED: tl.constexpr,
         EVICT_FIRST: tl.constexpr,
+        WITH_BOUNDS: tl.constexpr,
     ):
         pid_b = tl.program_id(1)
         if PERSISTENT:
             # A fixed grid of programs walks the vocab blocks (no partial last wave of blocks).
             for pid_v in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
                 _int8_logits_tile(pid_v, pid_b, x_ptr, q_ptr, scale_ptr, err_max_ptr, err_l2_ptr, bias_ptr,
-                                  norms_ptr, out_ptr, block_lo_ptr, block_hi_ptr, num_tokens, num_rows,
-                                  num_valid_rows, hidden, stride_x, stride_q, stride_out, stride_block,
-                                  acc_err_coef, slack, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A,
-                                  EVEN_K, BF16_RN_BY_BITS, TILED, EVICT_FIRST)  # fmt: skip
+                                  block_stats_ptr, out_ptr, block_z_ptr, block_row_ptr, num_tokens,
+                                  num_rows, num_valid_rows, num_blocks, hidden, stride_x, stride_q, stride_out,
+                                  stride_block, acc_err_coef, slack, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT,
+                                  W_IS_A, EVEN_K, BF16_RN_BY_BITS, TILED, EVICT_FIRST, WITH_BOUNDS)  # fmt: skip
         else:
             _int8_logits_tile(tl.program_id(0), pid_b, x_ptr, q_ptr, scale_ptr, err_max_ptr, err_l2_ptr,
-                              bias_ptr, norms_ptr, out_ptr, block_lo_ptr, block_hi_ptr, num_tokens, num_rows,
-                              num_valid_rows, hidden, stride_x, stride_q, stride_out, stride_block,
-                              acc_err_coef, slack, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A,
-                              EVEN_K, BF16_RN_BY_BITS, TILED, EVICT_FIRST)  # fmt: skip
+                              bias_ptr, block_stats_ptr, out_ptr, block_z_ptr, block_row_ptr, num_tokens,
+                              num_rows, num_valid_rows, num_blocks, hidden, stride_x, stride_q, stride_out,
+                              stride_block, acc_err_coef, slack, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A,
+                              EVEN_K, BF16_RN_BY_BITS, TILED, EVICT_FIRST, WITH_BOUNDS)  # fmt: skip
 
     @triton.jit
     def _exact_rescore_kernel(
@@ -496,11 +514,12 @@ if triton is not None:
         scale_ptr,
         err_max_ptr,
         err_l2_ptr,
-        norms_ptr,
         out_ptr,  # [B, V] logits from _int8_logits_kernel; candidate tokens overwritten
-        block_lo_ptr,
-        block_hi_ptr,
+        block_z_ptr,
+        block_row_ptr,
+        block_stats_ptr,
         num_rows,
+        num_valid_rows,
         num_blocks,
         hidden,
         stride_x,
@@ -508,6 +527,7 @@ if triton is not None:
         stride_out,
         stride_block,
         acc_err_coef,
+        exact_err_coef,
         slack,
         rel_margin,
         abs_margin,
@@ -525,24 +545,70 @@ if triton is not None:
         offs_nb = tl.arange(0, NB_POW2)
         mask_nb = offs_nb < num_blocks
         row_blocks = tok.to(tl.int64) * stride_block + offs_nb
-        lo = tl.load(block_lo_ptr + row_blocks, mask=mask_nb, other=-float("inf"))
-        hi = tl.load(block_hi_ptr + row_blocks, mask=mask_nb, other=-float("inf"))
-        lower_bound = tl.max(lo, axis=0)  # <= the row's exact maximum logit
+        block_z = tl.load(block_z_ptr + row_blocks, mask=mask_nb, other=-float("inf"))
+        block_row = tl.load(block_row_ptr + row_blocks, mask=mask_nb, other=0)
+        block_err_max = tl.load(block_stats_ptr + offs_nb, mask=mask_nb, other=0.0)
+        block_err_l2 = tl.load(block_stats_ptr + num_blocks + offs_nb, mask=mask_nb, other=0.0)
+        block_scale = tl.load(block_stats_ptr + 2 * num_blocks + offs_nb, mask=mask_nb, other=0.0)
+        # The lower bound: the exact logit of the row with the largest int8 logit (any row's exact
+        # logit is <= the maximum), computed here in fp32 together with |x|_1 and |x|_2.
+        best = tl.argmax(block_z, axis=0)
+        best_row = tl.sum(tl.where(offs_nb == best, block_row, 0), axis=0)
+        best_row = tl.minimum(tl.maximum(best_row, 0), num_rows - 1)
+        offs_k = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + tok.to(tl.int64) * stride_x
+        w_best = w_ptr + best_row.to(tl.int64) * stride_w
+        if ONE_CHUNK:
+            x_first = tl.load(x_row + offs_k, mask=offs_k < hidden, other=0.0).to(tl.float32)
+            prod = tl.load(w_best + offs_k, mask=offs_k < hidden, other=0.0).to(tl.float32) * x_first
+            best_exact = tl.sum(prod, axis=0)
+            best_abs = tl.sum(tl.abs(prod), axis=0)
+            x_l1 = tl.sum(tl.abs(x_first), axis=0) * slack
+            x_l2 = tl.sqrt(tl.sum(x_first * x_first, axis=0)) * slack
+        else:
+            x_first = tl.zeros([BLOCK_K], dtype=tl.float32)  # unused
+            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+            acc_abs = tl.zeros([BLOCK_K], dtype=tl.float32)
+            l1 = tl.zeros([BLOCK_K], dtype=tl.float32)
+            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                kk = k0 + offs_k
+                mask_k = kk < hidden
+                xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
+                prod = tl.load(w_best + kk, mask=mask_k, other=0.0).to(tl.float32) * xv
+                acc += prod
+                acc_abs += tl.abs(prod)
+                l1 += tl.abs(xv)
+                sq += xv * xv
+            best_exact = tl.sum(acc, axis=0)
+            best_abs = tl.sum(acc_abs, axis=0)
+            x_l1 = tl.sum(l1, axis=0) * slack
+            x_l2 = tl.sqrt(tl.sum(sq, axis=0)) * slack
+        if HAS_BIAS:
+            best_bias = tl.load(bias_ptr + best_row).to(tl.float32)
+            best_exact += best_bias
+            best_abs += tl.abs(best_bias)
+        # fp32 sum of exact products: error <= gamma * sum |products| (exact_err_coef = gamma * slack).
+        lower_bound = best_exact - best_abs * exact_err_coef
         threshold = lower_bound - (tl.abs(lower_bound) * rel_margin + abs_margin)
-        is_candidate = (hi >= threshold) & mask_nb
+        # Block test: every row v of the block has R(zq_v) <= capped (rounding moves at most one output
+        # ulp, half of rel_margin) and its bound <= the block's, so its row test value <= block_upper.
+        has_rows = mask_nb & (block_z > -float("inf"))  # blocks of padding rows only are never candidates
+        finite_z = tl.where(has_rows, block_z, 0.0)
+        capped = finite_z + tl.abs(finite_z) * (rel_margin * 0.5) + abs_margin
+        block_delta = (
+            tl.minimum(block_err_max * x_l1, block_err_l2 * x_l2) + acc_err_coef * block_scale * x_l1
+        ) * slack
+        block_upper = capped + tl.abs(capped) * (rel_margin + 4.0e-7 * slack) + abs_margin + block_delta
+        is_candidate = (block_upper >= threshold) & has_rows
         count = tl.sum(is_candidate.to(tl.int32), axis=0)
         rank = tl.cumsum(is_candidate.to(tl.int32), axis=0) - 1
-        x_l1 = tl.load(norms_ptr + tok * 2)
-        x_l2 = tl.load(norms_ptr + tok * 2 + 1)
         offs_r = tl.arange(0, BLOCK_V)
-        offs_k = tl.arange(0, BLOCK_K)
         out_row = out_ptr + tok.to(tl.int64) * stride_out
-        x_row = x_ptr + tok.to(tl.int64) * stride_x
-        x_first = tl.load(x_row + offs_k, mask=offs_k < hidden, other=0.0).to(tl.float32)
         for r in range(part, count, PROGRAMS_PER_ROW):
             block = tl.sum(tl.where(is_candidate & (rank == r), offs_nb, 0), axis=0)
             rows = block * BLOCK_V + offs_r
-            mask_r = rows < num_rows
+            mask_r = rows < num_valid_rows
             safe_rows = tl.minimum(rows, num_rows - 1)
             # Per-token upper bound from the stored (rounded) int8 logit: rounding adds at most
             # half an ulp, covered by rel_margin.
@@ -617,12 +683,15 @@ def int8_lm_head_logits(
     num_valid_rows: int | None = None,
     exact_argmax: bool = True,
     config: KernelConfig | None = None,
+    rescore_programs_per_row: int | None = None,
 ) -> torch.Tensor:
     """Logits ``x @ weight.T (+ bias)`` of ``x`` [B, K] through the int8 copy, shape [B, V], dtype of x.
 
     With ``exact_argmax`` (the default) the greedy argmax of the result equals that of the bf16
     logits (module docstring); without it the result is the plain int8 approximation.
     ``num_valid_rows``: rows past it (vocab padding) are left out of the bound.
+    ``rescore_programs_per_row``: programs per token of the re-scoring kernel (default: from
+    ``RESCORE_PROGRAMS``; for tuning).
     """
     if triton is None:
         raise RuntimeError("int8 lm head needs triton, which is not installed")
@@ -668,14 +737,16 @@ def int8_lm_head_logits(
     valid_rows = num_rows if num_valid_rows is None else min(num_valid_rows, num_rows)
     num_blocks = triton.cdiv(num_rows, cfg.block_v)
     out = torch.empty((num_tokens, num_rows), dtype=x.dtype, device=x.device)
-    block_lo = torch.empty((num_tokens, num_blocks), dtype=torch.float32, device=x.device)
-    block_hi = torch.empty_like(block_lo)
-    norms = torch.empty((num_tokens, 2), dtype=torch.float32, device=x.device)
+    if exact_argmax:
+        block_z = torch.empty((num_tokens, num_blocks), dtype=torch.float32, device=x.device)
+        block_row = torch.empty((num_tokens, num_blocks), dtype=torch.int32, device=x.device)
+        block_stats = torch.empty((3, num_blocks), dtype=torch.float32, device=x.device)
+    else:  # the plain int8 logits need no block maxima: the kernel leaves these untouched
+        block_z = block_row = block_stats = packed.scale
     has_bias = bias is not None
     bias_arg = bias if has_bias else packed.scale
     acc_err_coef = accumulation_error_coefficient(hidden)
     slack = norm_slack(hidden)
-    _x_norms_kernel[(num_tokens,)](x, norms, hidden, x.stride(0), slack, BLOCK_K=512)
     persistent = cfg.programs_per_sm > 0 and not on_cpu
     grid_v = min(num_blocks, _persistent_programs(x.device, cfg.programs_per_sm)) if persistent else num_blocks
     _int8_logits_kernel[(grid_v, triton.cdiv(num_tokens, cfg.block_b))](
@@ -685,10 +756,10 @@ def int8_lm_head_logits(
         packed.err_max,
         packed.err_l2,
         bias_arg,
-        norms,
+        block_stats,
         out,
-        block_lo,
-        block_hi,
+        block_z,
+        block_row,
         num_tokens,
         num_rows,
         valid_rows,
@@ -697,7 +768,7 @@ def int8_lm_head_logits(
         x.stride(0),
         packed.qweight.shape[1] if tiled else packed.qweight.stride(0),
         out.stride(0),
-        block_lo.stride(0),
+        block_z.stride(0),
         acc_err_coef,
         slack,
         HAS_BIAS=has_bias,
@@ -711,16 +782,22 @@ def int8_lm_head_logits(
         PERSISTENT=persistent,
         TILED=tiled,
         EVICT_FIRST=bool(cfg.evict_first) and not on_cpu,
+        WITH_BOUNDS=exact_argmax,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     if exact_argmax:
         rel_margin, abs_margin = OUTPUT_MARGIN[x.dtype]
-        # Enough programs per row that each re-scores a few tokens (latency-bound work).
-        # (The interpreter runs programs one by one: one per row there.)
-        programs_per_row = max(RESCORE_MIN_PROGRAMS_PER_ROW, min(RESCORE_MAX_PROGRAMS_PER_ROW, 2048 // num_tokens))
+        # A few programs per token, each re-scoring its share of the candidate blocks (latency-bound
+        # work); the interpreter runs programs one by one: one per token there.
         if on_cpu:
             programs_per_row = 1
+        elif rescore_programs_per_row is not None:
+            programs_per_row = rescore_programs_per_row
+        else:
+            programs_per_row = max(
+                RESCORE_MIN_PROGRAMS_PER_ROW, min(RESCORE_MAX_PROGRAMS_PER_ROW, RESCORE_PROGRAMS // num_tokens)
+            )
         rescore_block_k = min(triton.next_power_of_2(hidden), 256 if on_cpu else 4096)
         _exact_rescore_kernel[(num_tokens, programs_per_row)](
             x,
@@ -729,18 +806,20 @@ def int8_lm_head_logits(
             packed.scale,
             packed.err_max,
             packed.err_l2,
-            norms,
             out,
-            block_lo,
-            block_hi,
+            block_z,
+            block_row,
+            block_stats,
             num_rows,
+            valid_rows,
             num_blocks,
             hidden,
             x.stride(0),
             weight.stride(0),
             out.stride(0),
-            block_lo.stride(0),
+            block_z.stride(0),
             acc_err_coef,
+            exact_sum_error_coefficient(hidden) * slack,
             slack,
             rel_margin,
             abs_margin,

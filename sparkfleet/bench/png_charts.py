@@ -258,6 +258,28 @@ class _Frame:
         return round(self.bottom - (value - self.y_low) / span * (self.bottom - self.top))
 
 
+def _framed(
+    title: str,
+    series: Sequence[tuple[str, Sequence[float | None]]],
+    y_label: str,
+    width: int,
+    height: int,
+    legend: bool,
+) -> tuple[Canvas, _Frame]:
+    """A canvas and its frame, the y axis spanning every finite value of series (and 0)."""
+    values = [v for _, vals in series for v in vals if v is not None and math.isfinite(v)]
+    canvas = Canvas(width, height)
+    frame = _Frame(
+        canvas,
+        title,
+        y_label,
+        max(values) if values else 1.0,
+        min(0.0, min(values, default=0.0)),
+        [name for name, _ in series] if legend else [],
+    )
+    return canvas, frame
+
+
 def bar_chart(
     title: str,
     categories: Sequence[str],
@@ -269,16 +291,7 @@ def bar_chart(
     """Grouped bars: one group per category, one bar per series, value printed above each bar."""
     if not categories or not series:
         raise ValueError("a bar chart needs at least one category and one series")
-    values = [v for _, vals in series for v in vals if v is not None and math.isfinite(v)]
-    canvas = Canvas(width, height)
-    frame = _Frame(
-        canvas,
-        title,
-        y_label,
-        max(values) if values else 1.0,
-        min(0.0, min(values, default=0.0)),
-        [name for name, _ in series] if len(series) > 1 else [],
-    )
+    canvas, frame = _framed(title, series, y_label, width, height, legend=len(series) > 1)
     group_w = (frame.right - frame.left) / len(categories)
     bar_w = max(2, int(group_w * 0.75 / len(series)))
     for cat_index, category in enumerate(categories):
@@ -312,16 +325,7 @@ def line_chart(
     """Lines with point markers over ordered x positions (e.g. runs over time)."""
     if not x_labels or not series:
         raise ValueError("a line chart needs at least one x position and one series")
-    values = [v for _, vals in series for v in vals if v is not None and math.isfinite(v)]
-    canvas = Canvas(width, height)
-    frame = _Frame(
-        canvas,
-        title,
-        y_label,
-        max(values) if values else 1.0,
-        min(0.0, min(values, default=0.0)),
-        [name for name, _ in series],
-    )
+    canvas, frame = _framed(title, series, y_label, width, height, legend=True)
     count = len(x_labels)
     step = (frame.right - frame.left - 40) / max(1, count - 1)
 

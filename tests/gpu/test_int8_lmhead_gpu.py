@@ -75,3 +75,47 @@ def test_bias_and_odd_hidden() -> None:
     out = lmhead.int8_lm_head_logits(x, packed, weight, bias)
     want = (x.double() @ weight.double().T + bias.double()).to(torch.bfloat16).argmax(-1)
     assert out.argmax(-1).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("batch", [1, 5])
+def test_flat_logits_rescore_everything_and_stay_exact(batch: int) -> None:
+    """Near-identical rows: every token is a candidate (no fixed cap), the argmax still exact."""
+    gen = torch.Generator(device="cuda").manual_seed(11 + batch)
+    rows, hidden = 20_000 + 3, 3_072
+    base = (torch.randn(hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    weight = base.repeat(rows, 1)
+    # One element per row moved by about one bf16 ulp up or down: exact logits differ by a hair.
+    cols = torch.randint(0, hidden, (rows,), device="cuda", generator=gen)
+    picked = weight[torch.arange(rows, device="cuda"), cols].float()
+    sign = torch.randint(0, 2, (rows,), device="cuda", generator=gen).float() * 2 - 1
+    weight[torch.arange(rows, device="cuda"), cols] = (picked * (1 + sign * 2.0**-7)).to(torch.bfloat16)
+    x = torch.randn(batch, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    packed = lmhead.quantize_lm_head_weight(weight, tile=lmhead.weight_tile())
+    exact = lmhead.int8_lm_head_logits(x, packed, weight)
+    assert exact.argmax(-1).tolist() == bf16_reference_argmax(x, weight).tolist()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_full_shape_exact(seed: int) -> None:
+    """Random data (a crowded top, hundreds of rows within twice the bound): exact argmax at batch 16."""
+    gen = torch.Generator(device="cuda").manual_seed(100 + seed)
+    weight = (torch.randn(FULL_ROWS, FULL_HIDDEN, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(16, FULL_HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+    packed = lmhead.quantize_lm_head_weight(weight, tile=lmhead.weight_tile())
+    exact = lmhead.int8_lm_head_logits(x, packed, weight)
+    assert exact.argmax(-1).tolist() == bf16_reference_argmax(x, weight).tolist()
+
+
+def test_padding_rows_never_set_the_lower_bound() -> None:
+    """Zero padding rows (logit 0) above all-negative real logits: the argmax over real rows stays exact."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rows, org, hidden = 70_000, 69_900, 3_072
+    weight = torch.zeros(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    weight[:org] = (torch.randn(org, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    bias = torch.zeros(rows, device="cuda", dtype=torch.bfloat16)
+    bias[:org] = -60.0
+    x = torch.randn(9, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    packed = lmhead.quantize_lm_head_weight(weight, tile=lmhead.weight_tile())
+    out = lmhead.int8_lm_head_logits(x, packed, weight, bias, num_valid_rows=org)
+    want = (x.double() @ weight[:org].double().T + bias[:org].double()).to(torch.bfloat16).argmax(-1)
+    assert out[:, :org].argmax(-1).tolist() == want.tolist()

@@ -11,14 +11,38 @@ check that each block's scale is its own and sits where vLLM reads it. Then:
    output's headers and its rewritten quantization_config), `initialize_model`, and the model's own
    `load_weights` for the shared-expert tensors. Per-tensor output: the real `Fp8LinearMethod` layers are
    built and loaded; the driver dumps the matrix the loaded FP8 parameters stand for (each logical shard
-   times its scale). Block output: this CPU has no block-FP8 kernel (`CPUFp8BlockScaledMMKernel` needs AMX),
-   so only the dispatch decision is checked (every shared-expert layer -> Fp8LinearMethod, block [128, 128]).
+   times its scale). Block output (and the varied copy): the dispatch decision is checked (every
+   shared-expert layer -> Fp8LinearMethod, block [128, 128]); where the CPU has AMX tiles the real
+   `Fp8LinearMethod` layers are built with vLLM's CPU block kernel (`CPUFp8BlockScaledMMKernel`), loaded (FP8
+   bytes and `weight_scale_inv` equal to the file's) and processed by vLLM's `process_weights_after_loading`
+   (the kernel prepacks the weights for AMX), then run (3). Without AMX the block layers cannot be built
+   (no CPU kernel), the driver records only the decisions and the kernel tests skip, naming what is missing.
 
 2. Greedy tokens. vLLM's FP8 GEMM cannot run on this CPU build (its scaled_fp8_quant ops are empty), so the
    forward is a reference one: transformers' Qwen3_5MoeForCausalLM in float32, INT4 layers dequantized, once
    with the BF16 shared experts (the source) and once with the FP8 ones (per-tensor: the matrices vLLM
    loaded; block: dequantized from the output's tensors; block W8A8: the same plus activations fake-quantized
    to E4M3 per token and 128-wide group, as vLLM's block path quantizes them on a GPU).
+
+3. vLLM's real block-FP8 GEMM, where the CPU has AMX tiles (the driver asks Linux for AMX tile data first).
+   `CPUFp8BlockScaledMMKernel` is W8A16: activations stay BF16, each FP8 weight block is expanded with its
+   scale, products accumulate in float32, the output is BF16. Each loaded shared-expert layer (block build
+   and varied build, 4 layers each) runs through its own forward on fixed BF16 inputs (128 seeded Gaussian
+   rows), and its output y is compared with (a) the dequantized reference x . W_deq^T and (b) the BF16
+   source layer x . W^T, both in float64. Tolerances, derived like the ones above: (a) elementwise and
+   rigorous for the kernel's arithmetic: one BF16 rounding of each scaled weight (u = 2^-8 relative), float32
+   accumulation of K products (gamma_K = K * 2^-24 / (1 - K * 2^-24) of sum |x||w|), one BF16 rounding of
+   the output (u of |y| <= sum |x||w|), so |y - x . W_deq^T| <= (u + (1 + u)(u + gamma_K)) . |x| . |W_deq|^T
+   on every element; (b) first order, as tau: for isotropic inputs FP8 weights move the output by the
+   manifest's relative Frobenius error eps (largest over a fused layer's shards), the kernel adds at most
+   2u + gamma_K, so the relative Frobenius error must stay within eps + 2u + gamma_K. Negative controls run
+   the same kernel with each shard's scale grid transposed (varied build: blocks scaled 2x apart swap) and
+   with the scales left out (all 1); both must fail (a) and (b). Greedy tokens through the kernel: the
+   reference model (2) with each shared-expert projection's output replaced by the loaded vLLM layer's (its
+   input rounded to BF16), teacher-forced on the source's greedy sequences; per matrix the kernel path adds
+   3 BF16 roundings (input, scaled weight, output) and gamma_K, so tau = 3 * (eps + 3u + gamma_K) * S against
+   the source, 3 * (3u + gamma_K) * S against the dequantized-reference model, plus (2)'s token checks.
+   With SPARKFLEET_FP8_UPDATE_DOC=docs/dense-checkpoint.md the run writes these figures into that document.
 
 Tolerance, derived from the model and the weights, not fitted to the logits: S = the largest logit change
 the shared experts make at all (source against the same model with them zeroed); eps = the largest
@@ -42,11 +66,18 @@ computes them (per-tensor dynamic activations, gate/up requantized to one max sc
 blockwise form, and writes the same report as JSON.
 
 What this proves: the builder's FP8 tensors and scales are what the patched vLLM loader puts into its FP8
-layers, and a model computing with exactly those weights decodes greedily like the BF16 source. What it
-does not: vLLM's FP8 GEMM numerics (CUTLASS/Triton block kernels, the per-tensor requantization of fused
-shards to one max scale in process_weights_after_loading), which need a GPU.
+layers, and a model computing with exactly those weights decodes greedily like the BF16 source; on a CPU
+with AMX, also that vLLM's own block-FP8 path (loader, process_weights_after_loading, CPU kernel) reads the
+128x128 `weight_scale_inv` grid the way the builder writes it and computes what the dequantized weights
+define, to within its BF16 arithmetic, and that greedy tokens through it agree with the source as the
+emulation's do. What it does not: the GPU kernels vLLM serves the block layout with on the GB10
+(CUTLASS/Triton/DeepGEMM, with activations quantized to FP8 per token and 128-wide group, which the W8A16
+CPU kernel never does), vLLM's per-tensor FP8 kernels and the per-tensor requantization of fused shards to
+one max scale in process_weights_after_loading (the CPU build's scaled_fp8_quant ops are empty), and the
+real 122B weights. Without AMX the block kernel is not run at all.
 
-The module doubles as the subprocess driver: `python test_checkpoint_hybrid_fp8.py OUT_DIR TENSOR_CKPT BLOCK_CKPT`.
+The module doubles as the subprocess driver:
+`python test_checkpoint_hybrid_fp8.py OUT_DIR TENSOR_CKPT BLOCK_CKPT VARIED_BLOCK_CKPT BASE SEQUENCES_PT`.
 """
 
 from __future__ import annotations
@@ -71,6 +102,10 @@ NEW_TOKENS = 10
 VLLM_LAYERS = ("language_model.model.layers.0", "language_model.model.layers.1")
 SHARED_FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 LANGUAGE_PREFIX = "model.language_model."
+LAYER_TOKENS = 128  # rows of the fixed inputs each block-FP8 layer is run on
+BF16_U = 2.0**-8  # unit roundoff of BF16 (8-bit significand): round-to-nearest moves a value by <= u relative
+F32_U = 2.0**-24
+DOC_BLOCK = ("<!-- amx_block_fp8:begin -->", "<!-- amx_block_fp8:end -->")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -130,7 +165,11 @@ def _with_varied_blocks(source: Path, dest: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm_loaded(built: dict[str, Any]) -> dict[str, Any]:
+def vllm_loaded(built: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    import time
+
+    import torch
+
     from tests.vllm.test_inc_hybrid_fp8 import build_vllm_tree
 
     root = built["root"]
@@ -140,11 +179,16 @@ def vllm_loaded(built: dict[str, Any]) -> dict[str, Any]:
     out.mkdir()
 
     def environment(tree: Path, cache: str) -> dict[str, str]:
-        env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{REPO_ROOT}", HF_HUB_OFFLINE="1")
+        # The caller's PYTHONPATH follows the vllm tree and the repo (a sitecustomize there reaches the driver).
+        path = [str(tree), str(REPO_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), HF_HUB_OFFLINE="1")
         env["VLLM_CACHE_ROOT"] = str(root / cache)
         return env
 
-    command = [sys.executable, __file__, str(out), str(built["tensor"]), str(built["block"])]
+    torch.save(reference["sequences"], root / "sequences.pt")
+    ckpts = [built[name] for name in ("tensor", "block", "varied-block", "base")]
+    command = [sys.executable, __file__, str(out), *map(str, ckpts), str(root / "sequences.pt")]
+    started = time.monotonic()
     patched = subprocess.Popen(
         command, env=environment(site, "vllm-cache"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
@@ -155,14 +199,18 @@ def vllm_loaded(built: dict[str, Any]) -> dict[str, Any]:
     stock = subprocess.Popen(
         stock_command, env=environment(stock_site, "vllm-cache-stock"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    output, _ = patched.communicate(timeout=300)
-    assert patched.returncode == 0, f"driver failed:\n{output.decode(errors='replace')[-8000:]}"
+    output, _ = patched.communicate(timeout=600)
+    driver_s = time.monotonic() - started
+    assert patched.returncode == 0, (
+        f"driver failed (rc {patched.returncode}):\n{output.decode(errors='replace')[-8000:]}"
+    )
     stock_output, _ = stock.communicate(timeout=300)
-    import torch
-
+    kernel = out / "kernel.pt"
     return {
         **json.loads((out / "report.json").read_text()),
+        "driver_s": driver_s,
         "matrices": torch.load(out / "shared.pt"),
+        "kernel": torch.load(kernel) if kernel.exists() else None,
         "stock": {"returncode": stock.returncode, "output_tail": stock_output.decode(errors="replace")[-3000:]},
     }
 
@@ -352,6 +400,251 @@ def test_negative_control_fp8_without_scales_breaks_the_tolerance(
     tau = _tolerance("block", reference["shared_contribution"], weight_error)
     report = _compare(reference["sequences"], reference["logits"], logits, tau)
     assert report["max_abs_logit_diff"] > 5 * tau, report
+
+
+# --------------------------------------------------------------------------------------------------------
+# vLLM's real block-FP8 kernel (CPUFp8BlockScaledMMKernel), where the CPU has AMX tiles
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def amx_figures(vllm_loaded: dict[str, Any]) -> Any:
+    """Figures of the kernel tests; with SPARKFLEET_FP8_UPDATE_DOC=docs/dense-checkpoint.md they replace its block."""
+    figures: dict[str, Any] = {}
+    yield figures
+    doc = os.environ.get("SPARKFLEET_FP8_UPDATE_DOC")
+    if doc and figures:
+        figures["driver_s"] = vllm_loaded["driver_s"]
+        figures["vllm"] = vllm_loaded["vllm_version"]
+        path = REPO_ROOT / doc
+        text = path.read_text()
+        head, rest = text.split(DOC_BLOCK[0], 1)
+        _old, tail = rest.split(DOC_BLOCK[1], 1)
+        path.write_text(f"{head}{DOC_BLOCK[0]}\n{_render_figures(figures)}{DOC_BLOCK[1]}{tail}")
+
+
+def _require_block_kernel(vllm_loaded: dict[str, Any]) -> dict[str, Any]:
+    missing = vllm_loaded["block_kernel_missing"]
+    if missing:
+        pytest.skip(f"vLLM's CPU block-FP8 kernel cannot run: {missing}")
+    return vllm_loaded["kernel"]
+
+
+def _fused_shards(prefix: str) -> tuple[int, tuple[str, ...]]:
+    layer, fused = prefix.split(".mlp.shared_expert.")
+    return VLLM_LAYERS.index(layer), SHARED_FUSED[fused]
+
+
+def _layer_matrices(built: dict[str, Any], label: str) -> dict[str, tuple[Any, Any, float]]:
+    """Per vLLM layer: the dequantized FP8 matrix, the BF16 source matrix, the manifest's largest shard error."""
+    import torch
+
+    dequantized = _shared_from_checkpoint(built[label], with_scales=True)
+    source = _tensors(built["varied-base" if label.startswith("varied") else "base"])
+    modules = built["manifests"][label]["fp8_modules"]
+    out = {}
+    for layer in VLLM_LAYERS:
+        for fused in SHARED_FUSED:
+            prefix = f"{layer}.mlp.shared_expert.{fused}"
+            index, shards = _fused_shards(prefix)
+            names = [f"layers.{index}.mlp.shared_expert.{shard}" for shard in shards]
+            out[prefix] = (
+                torch.cat([dequantized[f"model.{name}"] for name in names]),
+                torch.cat([source[f"{LANGUAGE_PREFIX}{name}.weight"].float() for name in names]),
+                max(modules[f"{LANGUAGE_PREFIX}{name}"]["rel_error"]["rel_fro"] for name in names),
+            )
+    return out
+
+
+def _layer_check(x: Any, y: Any, dequantized: Any, source: Any, eps: float) -> dict[str, Any]:
+    """The kernel's output y = layer(x) against the dequantized-reference and the BF16-source products.
+
+    Reference (elementwise, rigorous): the kernel is W8A16, x stays BF16. Per output element it may round
+    each scaled weight to BF16 (<= u relative), accumulates K products in float32 (<= gamma_K = K*u32/(1 -
+    K*u32) of sum |x||w|) and rounds the result to BF16 (<= u of |y|); |y| <= sum |x||w|, so
+    |y - x.W_deq^T| <= c * (|x|.|W_deq|^T) with c = u + (1 + u)(u + gamma_K). Source (first order, as the
+    greedy tolerance): for isotropic inputs E||x dW^T||^2 = ||x||^2 ||dW||_F^2 / K, so FP8 weights move the
+    output by eps (the manifest's relative Frobenius error, largest over the fused shards) relative; the
+    kernel's arithmetic adds at most 2u + gamma_K: tolerance eps + 2u + gamma_K on the relative Frobenius error.
+    """
+    import torch
+
+    k = x.shape[-1]
+    gamma = k * F32_U / (1 - k * F32_U)
+    c = BF16_U + (1 + BF16_U) * (BF16_U + gamma)
+    x64, y64 = x.double(), y.double()
+    reference = x64 @ dequantized.double().t()
+    source_out = x64 @ source.double().t()
+    bound = c * (x64.abs() @ dequantized.double().abs().t())
+    error = (y64 - reference).abs()
+    ratio = torch.where(bound > 0, error / bound, torch.where(error > 0, torch.inf, 0.0))
+    rel_source = float((y64 - source_out).norm() / source_out.norm())
+    tau_source = eps + 2 * BF16_U + gamma
+    return {
+        "rel_fro_vs_reference": float((y64 - reference).norm() / reference.norm()),
+        "max_error_over_bound_vs_reference": float(ratio.max()),
+        "within_bound_vs_reference": bool((error <= bound).all()),
+        "rel_fro_vs_bf16_source": rel_source,
+        "rel_fro_dequantized_vs_bf16_source": float((reference - source_out).norm() / source_out.norm()),
+        "weight_eps": eps,
+        "tau_vs_bf16_source": tau_source,
+        "within_tau_vs_bf16_source": rel_source <= tau_source,
+    }
+
+
+def test_block_output_loads_into_real_block_fp8_layers(vllm_loaded: dict[str, Any]) -> None:
+    _require_block_kernel(vllm_loaded)
+    for label in ("block", "varied-block"):
+        loaded = vllm_loaded[label]["loaded"]
+        assert sorted(loaded) == sorted(vllm_loaded[label]["fp8_decisions"]), label
+        for prefix, entry in loaded.items():
+            assert entry["method"] == "Fp8LinearMethod", (label, prefix)
+            assert entry["weight_dtype"] == "torch.float8_e4m3fn", (label, prefix)
+            assert entry["scale_param"] == "weight_scale_inv", (label, prefix)
+            assert entry["weight_bytes_equal_checkpoint"], (label, prefix)
+            assert entry["scales_equal_checkpoint"], (label, prefix)
+        assert set(vllm_loaded[label]["kernels"].values()) == {"CPUFp8BlockScaledMMKernel"}, label
+        assert vllm_loaded[label]["int4_methods"] == ["AutoGPTQLinearMethod"]
+
+
+@pytest.mark.parametrize("label", ["block", "varied-block"])
+def test_real_block_fp8_kernel_matches_reference_and_bf16_source(
+    label: str, vllm_loaded: dict[str, Any], built: dict[str, Any], amx_figures: dict[str, Any]
+) -> None:
+    kernel = _require_block_kernel(vllm_loaded)
+    matrices = _layer_matrices(built, label)
+    checks = {}
+    for prefix, y in kernel["outputs"][label].items():
+        dequantized, source, eps = matrices[prefix]
+        checks[prefix] = _layer_check(kernel["inputs"][prefix], y, dequantized, source, eps)
+    print(f"{label}: {json.dumps(checks)}")
+    amx_figures.setdefault("layers", {})[label] = checks
+    assert len(checks) == len(VLLM_LAYERS) * len(SHARED_FUSED)
+    for prefix, check in checks.items():
+        assert check["within_bound_vs_reference"], (prefix, check)
+        assert check["within_tau_vs_bf16_source"], (prefix, check)
+
+
+@pytest.mark.parametrize(
+    "control,label", [("varied-block scales transposed", "varied-block"), ("block scales left out", "block")]
+)
+def test_real_block_fp8_kernel_negative_controls_fail_the_checks(
+    control: str, label: str, vllm_loaded: dict[str, Any], built: dict[str, Any], amx_figures: dict[str, Any]
+) -> None:
+    """The same kernel with each shard's scale grid transposed, or with no scales: both checks must fail."""
+    kernel = _require_block_kernel(vllm_loaded)
+    matrices = _layer_matrices(built, label)
+    checks = {
+        prefix: _layer_check(kernel["inputs"][prefix], y, *matrices[prefix])
+        for prefix, y in kernel["controls"][control].items()
+    }
+    print(f"{control}: {json.dumps(checks)}")
+    amx_figures.setdefault("controls", {})[control] = checks
+    for prefix, check in checks.items():
+        assert not check["within_bound_vs_reference"], (prefix, check)
+        assert not check["within_tau_vs_bf16_source"], (prefix, check)
+
+
+def test_greedy_tokens_through_the_real_block_fp8_kernel(
+    vllm_loaded: dict[str, Any], reference: dict[str, Any], built: dict[str, Any], amx_figures: dict[str, Any]
+) -> None:
+    """The reference model with its shared-expert projections computed by the loaded vLLM block-FP8 layers.
+
+    Tolerance as for the weight-only variants, with the kernel's arithmetic added per matrix: the hidden
+    state rounded to BF16 on the way in, the scaled weight and the output rounded to BF16 (3u), gamma_K for
+    float32 accumulation: tau = 3 * (eps + 3u + gamma_K) * S. Against the dequantized-reference model (same
+    weights, float32) only the arithmetic remains: 3 * (3u + gamma_K) * S.
+    """
+    import torch
+
+    kernel = _require_block_kernel(vllm_loaded)
+    sequences, source = reference["sequences"], reference["logits"]
+    driver_source = kernel["logits"]["source"]
+    # The driver rebuilt the same reference model: its plain logits are the pytest process's.
+    assert all(torch.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(driver_source, source, strict=True))
+    through_kernel = kernel["logits"]["kernel"]
+    model = reference["model"]
+    try:
+        _set_shared(model, _shared_from_checkpoint(built["block"], with_scales=True), fake_quant_activations=False)
+        dequantized = _logits(model, sequences)
+    finally:
+        _set_shared(model, reference["source_shared"], fake_quant_activations=False)
+    k = max(int(w.shape[1]) for w in reference["source_shared"].values())
+    gamma = k * F32_U / (1 - k * F32_U)
+    contribution = reference["shared_contribution"]
+    eps = built["manifests"]["block"]["error_summary"]["rel_fro_max"]
+    tau = 3 * (eps + 3 * BF16_U + gamma) * contribution
+    report = _compare(sequences, source, through_kernel, tau)
+    tau_reference = 3 * (3 * BF16_U + gamma) * contribution
+    report["max_abs_logit_diff_vs_dequantized_reference"] = max(
+        float((a - b).abs().max()) for a, b in zip(through_kernel, dequantized, strict=True)
+    )
+    report["tau_vs_dequantized_reference"] = tau_reference
+    report["positions_argmax_equal_to_dequantized_reference"] = sum(
+        int((a.argmax(-1) == b.argmax(-1))[PROMPT_TOKENS - 1 : -1].sum())
+        for a, b in zip(through_kernel, dequantized, strict=True)
+    )
+    report["positions_agreeing_dequantized_reference"] = _compare(sequences, source, dequantized, tau)[
+        "positions_agreeing"
+    ]
+    report["shared_contribution"] = contribution
+    report["weight_eps"] = eps
+    print(f"greedy through the kernel: {json.dumps(report)}")
+    amx_figures["greedy"] = report
+    assert report["max_abs_logit_diff"] <= tau, report
+    assert report["max_abs_logit_diff_vs_dequantized_reference"] <= tau_reference, report
+    assert report["decided_positions_disagreeing"] == 0, report
+    assert report["positions_agreeing"] >= 0.9 * report["positions"], report
+
+
+def _render_figures(figures: dict[str, Any]) -> str:
+    import platform
+
+    import torch
+
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if "model name" in line
+        ),
+        platform.processor(),
+    )
+    test = Path(__file__).relative_to(REPO_ROOT)
+    lines = [
+        f"Written by `SPARKFLEET_FP8_UPDATE_DOC=docs/dense-checkpoint.md pytest {test}` on {cpu}"
+        f" ({os.cpu_count()} CPUs), torch {torch.__version__}, vLLM {figures['vllm']}; the vLLM driver"
+        f" subprocess took {figures['driver_s']:.0f} s.",
+        "",
+        "| build / control | layer | (a) rel. error vs dequantized ref. | (a) max error / bound"
+        " | (b) rel. error vs BF16 | (b) tau | dequantized ref. vs BF16 |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    rows = [*figures.get("layers", {}).items(), *figures.get("controls", {}).items()]
+    for name, checks in rows:
+        for prefix, check in checks.items():
+            lines.append(
+                f"| {name} | {prefix.removeprefix('language_model.model.')} | {check['rel_fro_vs_reference']:.2e}"
+                f" | {check['max_error_over_bound_vs_reference']:.3g} | {check['rel_fro_vs_bf16_source']:.4f}"
+                f" | {check['tau_vs_bf16_source']:.4f} | {check['rel_fro_dequantized_vs_bf16_source']:.4f} |"
+            )
+    greedy = figures.get("greedy")
+    if greedy:
+        lines += [
+            "",
+            f"Greedy, shared experts through the kernel ({greedy['positions']} teacher-forced positions of"
+            f" {NUM_PROMPTS} prompts): {greedy['positions_agreeing']} agree with the BF16 source's tokens (the"
+            f" float32 dequantized-reference model: {greedy['positions_agreeing_dequantized_reference']});"
+            f" {greedy['decided_positions']} positions are decided (margin > 2 tau), of those"
+            f" {greedy['decided_positions_disagreeing']} disagree; {greedy['prompts_generating_identical_tokens']}"
+            f"/{NUM_PROMPTS} prompts generate identical tokens. Max logit change against the source"
+            f" {greedy['max_abs_logit_diff']:.4f} (tau {greedy['tau']:.4f}; S {greedy['shared_contribution']:.4f},"
+            f" eps {greedy['weight_eps']:.4f}), against the dequantized-reference model"
+            f" {greedy['max_abs_logit_diff_vs_dequantized_reference']:.4f} (tau"
+            f" {greedy['tau_vs_dequantized_reference']:.4f}); argmax equal to that model's on"
+            f" {greedy['positions_argmax_equal_to_dequantized_reference']}/{greedy['positions']} positions.",
+        ]
+    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -547,18 +840,43 @@ def _compare(sequences: list[Any], source: list[Any], fp8: list[Any], tau: float
 # --------------------------------------------------------------------------------------------------------
 
 
-def _driver(out: Path, tensor_ckpt: str, block_ckpt: str) -> None:
+def _block_kernel_missing() -> str | None:
+    """None where vLLM's CPU block-FP8 kernel can run in this process, else what is missing (one line)."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return "this CPU has no AMX tiles (amx_tile), which CPUFp8BlockScaledMMKernel needs"
+    # Linux keeps AMX tile data off until a process asks for it (arch_prctl ARCH_REQ_XCOMP_PERM); an AMX
+    # instruction before that is a SIGILL (rc -4). oneDNN's brgemm, under this kernel, asked by itself when
+    # tried here, but whether some other library issues the first AMX instruction is not ours to rely on.
+    if not torch.cpu._init_amx():
+        return "the OS refused this process AMX tile data (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    from vllm.model_executor.kernels.linear import CPUFp8BlockScaledMMKernel
+
+    supported, reason = CPUFp8BlockScaledMMKernel.is_supported()
+    return None if supported else f"CPUFp8BlockScaledMMKernel: {reason}"
+
+
+def _driver(out: Path, tensor_ckpt: str, block_ckpt: str, varied_ckpt: str, base: str, sequences: str) -> None:
+    """Per-tensor: load. Block: load and run vLLM's real block-FP8 kernel where it exists (else: dispatch only)."""
     import tempfile
 
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
-    from tests.vllm.test_inc_hybrid_fp8 import INT4_PREFIXES, _build_model, _checkpoint_tensors, _engine_config
+    from tests.vllm.test_inc_hybrid_fp8 import INT4_PREFIXES, _engine_config
 
-    report: dict[str, Any] = {}
+    missing = _block_kernel_missing()
+    import vllm
+
+    report: dict[str, Any] = {"block_kernel_missing": missing, "vllm_version": vllm.__version__}
     matrices: dict[str, list[Any]] = {}
-    for label, ckpt, mode in (("tensor", tensor_ckpt, "full"), ("block", block_ckpt, "decide")):
+    kernel: dict[str, Any] = {"outputs": {}, "controls": {}}
+    runs = [("tensor", tensor_ckpt, "full"), ("block", block_ckpt, "decide" if missing else "full")]
+    if not missing:
+        runs.append(("varied-block", varied_ckpt, "full"))
+    for label, ckpt, mode in runs:
         vllm_config = _engine_config(ckpt)
         if label == "tensor":
             with set_current_vllm_config(vllm_config):
@@ -570,48 +888,156 @@ def _driver(out: Path, tensor_ckpt: str, block_ckpt: str) -> None:
                     backend="gloo",
                 )
                 initialize_model_parallel(1, 1)
-        model, decisions = _build_model(vllm_config, mode)
-        entry: dict[str, Any] = {
-            "fp8_decisions": {
-                prefix: {"method": d["method"], "weight_block_size": d["weight_block_size"]}
-                for prefix, d in decisions.items()
-                if d["method"] == "Fp8LinearMethod"
-            },
-            "int4_methods": sorted({decisions[prefix]["method"] for prefix in INT4_PREFIXES}),
-        }
-        if mode == "full":
-            tensors = _checkpoint_tensors(ckpt, ".mlp.shared_expert.")
-            with set_current_vllm_config(vllm_config):
-                model.load_weights(iter(tensors.items()))
+        entry, model = _driver_load(vllm_config, ckpt, mode, INT4_PREFIXES)
+        if label == "tensor":
             modules = dict(model.named_modules())
-            loaded = {}
-            for index, layer in enumerate(VLLM_LAYERS):
-                hf = f"{LANGUAGE_PREFIX}layers.{index}.mlp.shared_expert"
-                for fused, shards in SHARED_FUSED.items():
-                    prefix = f"{layer}.mlp.shared_expert.{fused}"
-                    module = modules[prefix]
-                    checkpoint_weight = torch.cat([tensors[f"{hf}.{s}.weight"] for s in shards])
-                    checkpoint_scales = torch.cat([tensors[f"{hf}.{s}.weight_scale"].reshape(1) for s in shards])
-                    widths = list(module.logical_widths)
-                    rows = torch.split(module.weight.data.to(torch.float32), widths)
-                    # The matrix the loaded FP8 parameters stand for: each logical shard times its own scale.
-                    matrices[prefix] = [part * module.weight_scale.data[i] for i, part in enumerate(rows)]
-                    loaded[prefix] = {
-                        "method": type(module.quant_method).__name__,
-                        "weight_dtype": str(module.weight.dtype),
-                        "scale_param": "weight_scale" if hasattr(module, "weight_scale") else None,
-                        "weight_bytes_equal_checkpoint": bool(
-                            module.weight.dtype == torch.float8_e4m3fn
-                            and torch.equal(module.weight.data.view(torch.uint8), checkpoint_weight.view(torch.uint8))
-                        ),
-                        "scales_equal_checkpoint": bool(
-                            torch.equal(module.weight_scale.data.reshape(-1), checkpoint_scales)
-                        ),
-                    }
-            entry["loaded"] = loaded
+            for prefix in entry["loaded"]:
+                module = modules[prefix]
+                rows = torch.split(module.weight.data.to(torch.float32), list(module.logical_widths))
+                # The matrix the loaded FP8 parameters stand for: each logical shard times its own scale.
+                matrices[prefix] = [part * module.weight_scale.data[i] for i, part in enumerate(rows)]
+        elif mode == "full":
+            entry["kernels"] = _driver_run_block_kernel(model, vllm_config, label, kernel)
+            if label == "block":
+                kernel["logits"] = _driver_kernel_logits(model, vllm_config, base, sequences)
         report[label] = entry
     torch.save(matrices, out / "shared.pt")
+    if not missing:
+        torch.save(kernel, out / "kernel.pt")
     (out / "report.json").write_text(json.dumps(report, indent=1, sort_keys=True))
+
+
+def _driver_load(vllm_config: Any, ckpt: str, mode: str, int4_prefixes: Any) -> tuple[dict[str, Any], Any]:
+    """initialize_model, then (mode `full`) the model's load_weights and vLLM's process_weights_after_loading."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from tests.vllm.test_inc_hybrid_fp8 import _build_model, _checkpoint_tensors
+
+    model, decisions = _build_model(vllm_config, mode)
+    entry: dict[str, Any] = {
+        "fp8_decisions": {
+            prefix: {"method": d["method"], "weight_block_size": d["weight_block_size"]}
+            for prefix, d in decisions.items()
+            if d["method"] == "Fp8LinearMethod"
+        },
+        "int4_methods": sorted({decisions[prefix]["method"] for prefix in int4_prefixes}),
+    }
+    if mode != "full":
+        return entry, model
+    tensors = _checkpoint_tensors(ckpt, ".mlp.shared_expert.")
+    with set_current_vllm_config(vllm_config):
+        model.load_weights(iter(tensors.items()))
+    modules = dict(model.named_modules())
+    loaded = {}
+    for index, layer in enumerate(VLLM_LAYERS):
+        hf = f"{LANGUAGE_PREFIX}layers.{index}.mlp.shared_expert"
+        for fused, shards in SHARED_FUSED.items():
+            prefix = f"{layer}.mlp.shared_expert.{fused}"
+            module = modules[prefix]
+            scale_name = "weight_scale_inv" if hasattr(module, "weight_scale_inv") else "weight_scale"
+            checkpoint_weight = torch.cat([tensors[f"{hf}.{s}.weight"] for s in shards])
+            checkpoint_scales = torch.cat([tensors[f"{hf}.{s}.{scale_name}"].reshape(-1) for s in shards])
+            loaded[prefix] = {
+                "method": type(module.quant_method).__name__,
+                "weight_dtype": str(module.weight.dtype),
+                "scale_param": scale_name if hasattr(module, scale_name) else None,
+                "weight_bytes_equal_checkpoint": bool(
+                    module.weight.dtype == torch.float8_e4m3fn
+                    and torch.equal(module.weight.data.view(torch.uint8), checkpoint_weight.view(torch.uint8))
+                ),
+                "scales_equal_checkpoint": bool(
+                    torch.equal(getattr(module, scale_name).data.reshape(-1), checkpoint_scales)
+                ),
+            }
+    entry["loaded"] = loaded
+    if entry["fp8_decisions"] and all(d["weight_block_size"] for d in entry["fp8_decisions"].values()):
+        # vLLM's own post-load step, as DefaultModelLoader runs it: for the block layers the CPU kernel
+        # prepacks the FP8 weights (VNNI) for AMX. (The per-tensor path's would call the CPU build's empty
+        # scaled_fp8_quant stubs, see test_inc_hybrid_fp8.py.) Layers whose weights were not loaded here
+        # process uninitialized memory, which nothing reads.
+        with set_current_vllm_config(vllm_config):
+            process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
+    return entry, model
+
+
+def _driver_run_block_kernel(model: Any, vllm_config: Any, label: str, kernel: dict[str, Any]) -> dict[str, str]:
+    """Each loaded block-FP8 shared-expert layer on fixed BF16 inputs, through the layer's own forward."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    modules = dict(model.named_modules())
+    generator = torch.Generator().manual_seed(99)
+    inputs, outputs, kernels = kernel.setdefault("inputs", {}), {}, {}
+    with set_current_vllm_config(vllm_config), torch.no_grad():
+        for prefix in sorted(f"{layer}.mlp.shared_expert.{fused}" for layer in VLLM_LAYERS for fused in SHARED_FUSED):
+            module = modules[prefix]
+            kernels[prefix] = type(module.quant_method.fp8_linear).__name__
+            if prefix not in inputs:
+                inputs[prefix] = torch.randn(LAYER_TOKENS, module.input_size, generator=generator).to(torch.bfloat16)
+            x = inputs[prefix]
+            outputs[prefix] = module(x)[0].clone()
+            # Negative controls, through the same kernel: each logical shard's scale grid transposed (the
+            # varied build, whose blocks differ), or the scales left out (all 1: the FP8 bytes as values).
+            scale = module.weight_scale_inv.data
+            saved = scale.clone()
+            if label == "varied-block":
+                rows = [w // 128 for w in module.logical_widths]
+                scale.copy_(torch.cat([part.t() for part in torch.split(saved, rows)]))
+                kernel["controls"].setdefault("varied-block scales transposed", {})[prefix] = module(x)[0].clone()
+            else:
+                scale.fill_(1.0)
+                kernel["controls"].setdefault("block scales left out", {})[prefix] = module(x)[0].clone()
+            scale.copy_(saved)
+            assert torch.equal(module(x)[0], outputs[prefix]), f"{prefix}: restoring the scales changed the output"
+    kernel["outputs"][label] = outputs
+    return kernels
+
+
+class _KernelLinear:
+    """Forward hook: a transformers Linear's output replaced by a loaded vLLM layer's, BF16 in and out."""
+
+    def __init__(self, layer: Any, rows: slice) -> None:
+        self.layer, self.rows = layer, rows
+
+    def __call__(self, _module: Any, args: tuple[Any, ...], output: Any) -> Any:
+        import torch
+
+        (x,) = args
+        with torch.no_grad():
+            y = self.layer(x.to(torch.bfloat16).reshape(-1, x.shape[-1]))[0][:, self.rows]
+        return y.to(output.dtype).reshape(*x.shape[:-1], -1)
+
+
+def _driver_kernel_logits(model: Any, vllm_config: Any, base: str, sequences_path: str) -> dict[str, Any]:
+    """The reference model's logits on the given sequences, shared experts plain and through the vLLM layers."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    sequences = torch.load(sequences_path)
+    reference = _reference_model(Path(base))
+    source = _logits(reference, sequences)
+    modules = dict(model.named_modules())
+    handles = []
+    for index, layer in enumerate(VLLM_LAYERS):
+        gate_up = modules[f"{layer}.mlp.shared_expert.gate_up_proj"]
+        down = modules[f"{layer}.mlp.shared_expert.down_proj"]
+        width = gate_up.logical_widths[0]
+        shared = reference.model.layers[index].mlp.shared_expert
+        for linear, vllm_layer, rows in (
+            (shared.gate_proj, gate_up, slice(0, width)),
+            (shared.up_proj, gate_up, slice(width, None)),
+            (shared.down_proj, down, slice(None)),
+        ):
+            handles.append(linear.register_forward_hook(_KernelLinear(vllm_layer, rows)))
+    try:
+        with set_current_vllm_config(vllm_config):
+            through_kernel = _logits(reference, sequences)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {"source": source, "kernel": through_kernel}
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -781,4 +1207,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--gpu":
         _gpu_fp8_gemm(Path(sys.argv[2]))
     else:
-        _driver(Path(sys.argv[1]), sys.argv[2], sys.argv[3])
+        _driver(Path(sys.argv[1]), *sys.argv[2:7])

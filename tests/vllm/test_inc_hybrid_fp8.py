@@ -14,12 +14,14 @@ and `load_weights` of the shared-expert tensors through the model's own loader (
 stacking, scale parameters).
 
 What does not run here, and why:
-- `Fp8LinearMethod.create_weights` for 128x128 *block* scales selects a kernel, and this CPU has none
-  (`CPUFp8BlockScaledMMKernel` wants AMX; the CUDA kernels want a GPU). For the block-scale checkpoint the
-  driver records every real `get_quant_method` decision during construction and, for the layers sent to
-  `Fp8LinearMethod`, lets construction go on with `UnquantizedLinearMethod` (mode `decide`): the decision
-  is exercised, the block layer is not built. The per-tensor-scale checkpoint builds for real
-  (`PerTensorTorchFP8ScaledMMLinearKernel`) and its weights load.
+- `Fp8LinearMethod.create_weights` for 128x128 *block* scales selects a kernel, which a CPU without AMX
+  lacks (`CPUFp8BlockScaledMMKernel` wants AMX; the CUDA kernels want a GPU). So that this file passes the
+  same way on every CPU, for the block-scale checkpoint the driver records every real `get_quant_method`
+  decision during construction and, for the layers sent to `Fp8LinearMethod`, lets construction go on with
+  `UnquantizedLinearMethod` (mode `decide`): the decision is exercised, the block layer is not built. The
+  per-tensor-scale checkpoint builds for real (`PerTensorTorchFP8ScaledMMLinearKernel`) and its weights
+  load. Where the CPU has AMX, the block layers are built, loaded and run for real by
+  tests/vllm/test_checkpoint_hybrid_fp8.py.
 - FP8 weight processing and the FP8 GEMM: the CPU build's `_C.static_scaled_fp8_quant` /
   `dynamic_scaled_fp8_quant` are empty stubs. The loaded FP8 parameters are checked instead: bytes equal to
   the checkpoint's, scales equal, and the matrix they stand for equal to the checkpoint's dequantized one.
@@ -212,7 +214,7 @@ def test_stock_loads_fp8_bytes_as_bf16_values_and_drops_the_scales(
 
 
 def test_patched_loads_fp8_weights_and_scales_into_fp8_parameters(results: dict[str, dict[str, Any]]) -> None:
-    # Per-tensor scales only: the block-scale layers cannot be built here (see the module docstring).
+    # Per-tensor scales only: block-scale layers need AMX (see the module docstring).
     loaded = results["patched-tensor"]["loaded"]
     for prefix in FP8_PREFIXES:
         entry = loaded[prefix]

@@ -346,6 +346,29 @@ def _kernel_cases(int8_lmhead: Any) -> list[dict[str, Any]]:
                 "max_err_over_bound": float(((raw.double() - exact64).abs() / bound).max()),
             }
         )
+    # Zero vocab-padding rows (logit 0) above all-negative real logits: the padding must never set the
+    # lower bound, or the real maximum would fall below the threshold.
+    org, pad, hidden = 650, 50, 96
+    weight, x = near_tie_problem(org, hidden, 3, seed=5)
+    padded = torch.cat([weight, torch.zeros(pad, hidden, dtype=weight.dtype)])
+    bias = torch.cat([torch.full((org,), -40.0), torch.zeros(pad)]).to(torch.bfloat16)
+    cfg = configs["tiled"]
+    packed = int8_lmhead.quantize_lm_head_weight(padded, tile=(cfg.block_v, cfg.block_k))
+    exact = int8_lmhead.int8_lm_head_logits(x, packed, padded, bias, num_valid_rows=org, config=cfg)
+    plain = int8_lmhead.int8_lm_head_logits(x, packed, padded, bias, num_valid_rows=org, exact_argmax=False, config=cfg)
+    exact64 = x.double() @ weight.double().T + bias[:org].double()
+    raw = int8_lmhead.int8_lm_head_logits(x.float(), packed, padded, bias, exact_argmax=False, config=cfg)[:, :org]
+    bound = int8_lmhead.int8_logit_error_bound(x.float(), packed)[:, :org]
+    cases.append(
+        {
+            "name": "padding_rows_negative_logits",
+            "exact_argmax": exact[:, :org].argmax(-1).tolist(),
+            "plain_argmax": plain[:, :org].argmax(-1).tolist(),
+            "reference_argmax": exact64.to(torch.bfloat16).argmax(-1).tolist(),
+            "all_written": bool(torch.isfinite(exact).all() and torch.isfinite(raw).all()),
+            "max_err_over_bound": float(((raw.double() - exact64).abs() / bound).max()),
+        }
+    )
     return cases
 
 

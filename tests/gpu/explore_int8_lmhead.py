@@ -1,0 +1,243 @@
+"""Exploration run for the int8 lm head (issue 10): timing methods, bandwidth references, kernel variants.
+
+One device call measures, on the 248,320 x 3,072 lm head:
+
+* the copy reference (``copy_`` of an int8-weight-sized buffer) and a read-only stream of the same bytes;
+* the bf16 GEMM, the old kernel (``--old MODULE``: the file before this change) and the current one;
+* kernel variants (tensor-core configs) and the exact path;
+
+each timed two ways: ``flush`` (``triton.testing.do_bench``: an L2 flush, i.e. a 256 MB memset, before
+every call, and CUDA events around the call) and ``graph`` (a CUDA graph of ``GRAPH_CALLS`` back-to-back
+calls, replayed; median per call over the replays; no flush: every operand but x is far larger than
+the L2). Results go to ``--json``; a short table is printed last.
+
+The logs in tests/gpu/results/int8_lmhead_h200_explore*.log come from earlier versions of this script
+and of the kernels, which also timed designs no longer in the tree (a CUDA-core GEMV path; re-scoring
+from per-block maxima with per-token candidate lists; one re-scoring program per vocab block; the
+exact path stage by stage). Run: ``python3 tests/gpu/explore_int8_lmhead.py --json OUT.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+GRAPH_CALLS = 10
+GRAPH_REPLAYS = 15
+
+
+def t_flush(fn) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def t_graph(fn, calls: int = GRAPH_CALLS, replays: int = GRAPH_REPLAYS) -> float:
+    """Median time of one call (ms) over replays of a CUDA graph of ``calls`` back-to-back calls."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    del graph
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--old", help="path of the previous int8_lmhead.py, timed for comparison")
+    parser.add_argument("--budget-s", type=float, default=360.0)
+    args = parser.parse_args()
+
+    import torch
+    import triton
+
+    from sparkfleet import int8_lmhead as L
+
+    t_start = time.monotonic()
+    res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    lines: list[str] = []
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        lines.append(msg)
+
+    def left() -> float:
+        return args.budget_s - (time.monotonic() - t_start)
+
+    rows, hidden = 248_320, 3_072
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = (torch.randn(rows, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(64, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    n8 = rows * hidden
+
+    # References.
+    src = torch.randint(-127, 127, (n8,), dtype=torch.int8, device="cuda")
+    dst = torch.empty_like(src)
+    ref = {}
+    ref["copy_flush_ms"] = t_flush(lambda: dst.copy_(src))
+    ref["copy_graph_ms"] = t_graph(lambda: dst.copy_(src))
+    import triton.language as tl
+
+    @triton.jit
+    def _stream_read_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr, EVICT_FIRST: tl.constexpr):
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(tl.program_id(0) * BLOCK, n, tl.num_programs(0) * BLOCK):
+            if EVICT_FIRST:
+                v = tl.load(src_ptr + start + tl.arange(0, BLOCK), eviction_policy="evict_first")
+            else:
+                v = tl.load(src_ptr + start + tl.arange(0, BLOCK))
+            acc ^= v.to(tl.int32)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sink = torch.empty(sms * 64, dtype=torch.int32, device="cuda")
+    best_read = None
+    for block, warps, per_sm, evict in [
+        (4096, 4, 8, 0),
+        (8192, 8, 4, 0),
+        (8192, 4, 8, 1),
+        (16384, 8, 4, 1),
+        (4096, 4, 16, 1),
+        (16384, 16, 2, 0),
+    ]:
+        n = n8 // block * block
+        grid = sms * per_sm
+
+        def read(block=block, warps=warps, grid=grid, n=n, evict=evict):
+            _stream_read_kernel[(grid,)](src, sink, n, BLOCK=block, EVICT_FIRST=evict, num_warps=warps)
+
+        ms = t_graph(read)
+        gbps = n / ms / 1e6
+        ref[f"read_{block}_{warps}w_{per_sm}x_ev{evict}_graph_ms"] = ms
+        log(f"read-only block {block} warps {warps} {per_sm}/SM evict {evict}: {ms * 1e3:.1f} us, {gbps:.0f} GB/s")
+        if best_read is None or gbps > best_read:
+            best_read = gbps
+    ref["read_best_GBps"] = best_read
+    ref["copy_graph_GBps"] = 2 * n8 / ref["copy_graph_ms"] / 1e6
+    ref["copy_flush_GBps"] = 2 * n8 / ref["copy_flush_ms"] / 1e6
+    log(
+        f"copy: flush {ref['copy_flush_ms'] * 1e3:.1f} us ({ref['copy_flush_GBps']:.0f} GB/s), graph "
+        f"{ref['copy_graph_ms'] * 1e3:.1f} us ({ref['copy_graph_GBps']:.0f} GB/s); read-only best {best_read:.0f} GB/s"
+    )
+    res["ref"] = ref
+
+    bf16 = {}
+    for b in (1, 2, 4, 8, 13, 16, 32):
+        xb = x[:b].contiguous()
+        bf16[b] = {
+            "flush": t_flush(lambda xb=xb: torch.nn.functional.linear(xb, weight)),
+            "graph": t_graph(lambda xb=xb: torch.nn.functional.linear(xb, weight)),
+        }
+        log(f"bf16 b={b}: flush {bf16[b]['flush'] * 1e3:.1f} graph {bf16[b]['graph'] * 1e3:.1f} us")
+    res["bf16"] = bf16
+
+    if args.old:
+        spec = importlib.util.spec_from_file_location("old_int8_lmhead", args.old)
+        old = importlib.util.module_from_spec(spec)
+        sys.modules["old_int8_lmhead"] = old
+        spec.loader.exec_module(old)
+        packed_old = old.quantize_lm_head_weight(weight, tile=old.weight_tile())
+        res["old"] = {}
+        for b in (1, 4, 16):
+            xb = x[:b].contiguous()
+            rec = {}
+            for exact in (False, True):
+                fn = lambda xb=xb, e=exact: old.int8_lm_head_logits(xb, packed_old, weight, exact_argmax=e)  # noqa: E731
+                rec[f"{'exact' if exact else 'kernel'}_flush"] = t_flush(fn)
+                rec[f"{'exact' if exact else 'kernel'}_graph"] = t_graph(fn)
+            res["old"][b] = rec
+            log(f"old b={b}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rec.items()))
+        del packed_old
+
+    packs: dict = {}
+
+    def packed_for(tile):
+        if tile not in packs:
+            packs.clear()
+            torch.cuda.empty_cache()
+            packs[tile] = L.quantize_lm_head_weight(weight, tile=tile)
+        return packs[tile]
+
+    K = L.KernelConfig
+    tc = []
+    for bv, bk, warps, stages, conv, ev, ppsm in [
+        (128, 128, 4, 3, 0, 1, 0),
+        (128, 128, 4, 3, 0, 0, 0),
+        (128, 128, 4, 4, 0, 1, 0),
+        (128, 128, 8, 4, 0, 1, 0),
+        (128, 128, 4, 3, 0, 1, 0),
+        (128, 256, 4, 2, 0, 1, 0),
+        (128, 256, 4, 2, 0, 0, 0),
+        (64, 128, 4, 4, 0, 1, 0),
+    ]:
+        tc.append(K(bv, 16, bk, warps, stages, conv, 0, ppsm, 1, ev))
+    res["variants"] = []
+    for cfg in tc:
+        if left() < 120:
+            log("variants: budget reached")
+            break
+        packed = packed_for((cfg.block_v, cfg.block_k))
+        batches = (1, 4, 16)
+        rec = {"config": dataclasses.asdict(cfg)}
+        try:
+            for b in batches:
+                xb = x[:b].contiguous()
+                fn = lambda xb=xb, c=cfg, p=packed: L.int8_lm_head_logits(xb, p, weight, exact_argmax=False, config=c)  # noqa: E731
+                rec[f"b{b}_graph"] = t_graph(fn)
+        except Exception as exc:  # noqa: BLE001
+            rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        res["variants"].append(rec)
+        log(
+            f"variant {cfg}: "
+            + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rec.items() if k.endswith("graph"))
+            + (f" ERROR {rec['error']}" if "error" in rec else "")
+        )
+
+    # The exact path (kernel with block maxima, re-scoring) next to the kernel alone.
+    packed = packed_for(L.weight_tile())
+    res["exact"] = {}
+    for b in (1, 4, 16):
+        xb = x[:b].contiguous()
+        rec = {
+            "kernel_graph": t_graph(lambda xb=xb: L.int8_lm_head_logits(xb, packed, weight, exact_argmax=False)),
+            "exact_graph": t_graph(lambda xb=xb: L.int8_lm_head_logits(xb, packed, weight)),
+        }
+        res["exact"][b] = rec
+        log(f"exact path b={b}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rec.items()))
+    res["log"] = lines
+    Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+    log(f"done in {time.monotonic() - t_start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
