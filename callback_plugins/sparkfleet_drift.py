@@ -25,7 +25,7 @@ description:
   - Failures and unreachable hosts get their own one-line reason.
   - Works without check mode too; the header then says the changes were applied.
 requirements:
-  - enable it, e.g. C(ANSIBLE_CALLBACKS_ENABLED=ansible.builtin.timer,sparkfleet_drift) and
+  - enable it, e.g. C(ANSIBLE_CALLBACKS_ENABLED=sparkfleet_drift) and
     C(ANSIBLE_CALLBACK_PLUGINS=callback_plugins)
 options:
   json_path:
