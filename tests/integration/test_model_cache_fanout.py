@@ -144,12 +144,59 @@ def test_the_seed_sends_once_and_hosts_copy_from_each_other(fleet, hub: HubDoubl
     no_keys_left(fleet)
     account = fleet.ssh("spark-01", f"getent passwd {FANOUT_USER}; id -nG {FANOUT_USER}").stdout.split()
     assert account[0].split(":")[5] == f"{CACHE_DIR}/.fanout" and account[1:] == [GROUP]
+    options = next(line for line in first.output.splitlines() if line.startswith(f'+restrict,from="{address}"'))
+    probe_the_authorization(fleet, options[1:].rsplit(" ssh-ed25519 ", 1)[0], revision)
 
     second = run_playbook(*write_run(tmp, hub, revision), timeout=600)
     assert second.returncode == 0, second.output[-4000:]
     assert second.changed() == {host: 0 for host in HOSTS}
     assert "nothing to copy" in second.output
     assert hub.file_bytes_served(REPO) == total
+
+
+def probe_the_authorization(fleet, options: str, revision: str) -> None:  # noqa: ANN001
+    """With the role's own authorized_keys options on spark-01 and a probe key made on spark-02: reading the
+    cache works; a shell, a write, a path outside the cache, and the same key from spark-03 do not."""
+    probe = f"{CACHE_DIR}/.probe"
+    keys = f"{CACHE_DIR}/.fanout/.ssh/authorized_keys"
+    made = fleet.ssh(
+        "spark-02", f"mkdir -m 700 {probe} && ssh-keygen -q -t ed25519 -N '' -f {probe}/id && cat {probe}/id.pub"
+    )
+    assert made.returncode == 0, made.stderr
+    host_key = " ".join(fleet.ssh("spark-01", "cat /etc/ssh/ssh_host_ed25519_key.pub").stdout.split()[:2])
+    line = f"{options} {made.stdout.strip()}"
+    assert fleet.ssh("spark-01", f"printf '%s\\n' {shlex.quote(line)} > {keys}").returncode == 0
+    source = f"{FANOUT_USER}@{fleet.hosts['spark-01']}"
+    ssh = (
+        f"ssh -i {probe}/id -o IdentitiesOnly=yes -o BatchMode=yes -o StrictHostKeyChecking=yes "
+        f"-o UserKnownHostsFile={probe}/known_hosts -o GlobalKnownHostsFile=/dev/null"
+    )
+    model = f"{NAME}/{revision}"
+    try:
+        for host in ("spark-02", "spark-03"):
+            setup = f"echo {shlex.quote(fleet.hosts['spark-01'] + ' ' + host_key)} > {probe}/known_hosts"
+            if host == "spark-03":
+                copy = fleet.ssh("spark-02", f"cat {probe}/id").stdout
+                setup = f"mkdir -p -m 700 {probe} && printf '%s\\n' {shlex.quote(copy)} > {probe}/id && {setup}"
+                setup += f" && chmod 600 {probe}/id"
+            assert fleet.ssh(host, setup).returncode == 0
+        read = fleet.ssh("spark-02", f"rsync -e {shlex.quote(ssh)} {source}:{model}/config.json {probe}/config.json")
+        assert read.returncode == 0, read.stderr
+        shell = fleet.ssh("spark-02", f"{ssh} {source} id")
+        assert shell.returncode != 0 and "uid=" not in shell.stdout, "the copy key opened a shell"
+        write = fleet.ssh("spark-02", f"rsync -e {shlex.quote(ssh)} {probe}/config.json {source}:{model}/injected")
+        assert write.returncode != 0, "the copy key could write into the source's cache"
+        assert fleet.ssh("spark-01", f"test -e {CACHE_DIR}/.hub/{model}/injected").returncode != 0
+        outside = fleet.ssh("spark-02", f"rsync -e {shlex.quote(ssh)} {source}:../../../../etc/shadow {probe}/x")
+        assert outside.returncode != 0 and fleet.ssh("spark-02", f"test -e {probe}/x").returncode != 0
+        elsewhere = fleet.ssh(
+            "spark-03", f"rsync -e {shlex.quote(ssh)} {source}:{model}/config.json {probe}/config.json"
+        )
+        assert elsewhere.returncode != 0, "the key worked from another host's address"
+    finally:
+        fleet.ssh("spark-01", f"rm -f {keys}")
+        for host in ("spark-02", "spark-03"):
+            fleet.ssh(host, f"rm -rf {probe}")
 
 
 def partial_size(fleet, host: str, directory: str, name: str) -> int:  # noqa: ANN001

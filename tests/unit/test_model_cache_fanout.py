@@ -121,3 +121,16 @@ def test_the_manifest_of_a_bad_build_is_refused(tmp_path: Path, revision: str, m
         (tmp_path / "b").mkdir()
     with pytest.raises(HubCacheError, match=message):
         hub_cache.describe_directory(tmp_path / "b", "h", revision, tmp_path / "seed")
+
+
+def test_argument_specs_match_defaults() -> None:
+    import yaml
+
+    role = ROOT / "roles" / "model_cache"
+    options = yaml.safe_load((role / "meta" / "argument_specs.yml").read_text())["argument_specs"]["main"]["options"]
+    defaults = yaml.safe_load((role / "defaults" / "main.yml").read_text())
+    assert set(options) - {"model_cache_models"} == set(defaults) - {"model_cache_models"}, set(options) ^ set(defaults)
+    for name, option in options.items():
+        assert name.startswith("model_cache_")
+        if name != "model_cache_models" and "{{" not in str(defaults[name]):
+            assert option.get("default") == defaults[name], name
