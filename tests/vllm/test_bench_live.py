@@ -167,8 +167,6 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
         "512",
         "--dtype",
         "bfloat16",
-        # no torch.compile of the CPU sampler at start (see tests/vllm/test_dflash_cpu.py)
-        "--use-fp64-gumbel",
         "--speculative-config",
         json.dumps(SPECULATIVE_CONFIG),
     ]

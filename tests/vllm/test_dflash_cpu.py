@@ -160,9 +160,6 @@ def start_server(site: Path, model: Path, port: int, log: Path, cache: Path, ext
         # The worker runs inside the engine-core process: one process fewer to start per server.
         "--distributed-executor-backend",
         "uni",
-        # The CPU sampler's fp64 path needs no torch.compile: warmup ~2 s instead of a ~60 s inductor
-        # compile per start (greedy requests, which these tests send, never reach the sampler's noise).
-        "--use-fp64-gumbel",
         *extra,
     ]
     handle = log.open("w")
