@@ -156,7 +156,7 @@ DRIFT_JSON ?=
 .PHONY: drift
 drift: $(VENV)/.stamp ## What a deploy of PROFILE would change, one line per host (check mode) [LIMIT=host]
 	ANSIBLE_CALLBACK_PLUGINS=$(CURDIR)/callback_plugins \
-	ANSIBLE_CALLBACKS_ENABLED=sparkfleet_drift \
+	ANSIBLE_CALLBACKS_ENABLED=sparkfleet_drift,sparkfleet_timer \
 	SPARKFLEET_DRIFT_JSON=$(DRIFT_JSON) \
 	$(PLAYBOOK) site.yml --check --diff -e sparkfleet_profile=$(PROFILE)
 

@@ -13,7 +13,6 @@ A ``None`` value drops a flag that a lower layer set.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 from collections.abc import Mapping
@@ -29,14 +28,28 @@ class ProfileError(ValueError):
     """A profile is unknown or invalid; the message is one line that names the value and the fix."""
 
 
+def plain(value: Any) -> Any:
+    """A deep copy made of plain dicts and lists.
+
+    Ansible 2.19 hands filters lazy containers that template a value on every access; a
+    ``copy.deepcopy`` of one copies its templating context too and took ~18 s per profile on the
+    sandbox. Reading each value once into plain containers is the copy, and it is cheap.
+    """
+    if isinstance(value, Mapping):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    return value
+
+
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     """Recursive merge: dicts merge key by key, anything else in ``over`` replaces ``base``."""
-    out: dict[str, Any] = copy.deepcopy(dict(base))
+    out: dict[str, Any] = plain(base)
     for key, value in over.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
             out[key] = merge(out[key], value)
         else:
-            out[key] = copy.deepcopy(value)
+            out[key] = plain(value)
     return out
 
 
@@ -83,7 +96,7 @@ def resolve(
     env: dict[str, Any] = {}
     for layer in (env_common, spec.get("env"), env_platform):
         env.update(layer or {})
-    resolved = copy.deepcopy(spec)
+    resolved = plain(spec)
     resolved["name"] = name
     resolved["serve_args"] = {flag: value for flag, value in args.items() if value is not None}
     resolved["env"] = {key: str(value) for key, value in env.items() if value is not None}
