@@ -24,12 +24,19 @@ to the output dtype (the dtype of ``x``, as vLLM's bf16 path returns). The stock
 first index of the maximum of ``R(z[b, :])``. The int8 logits ``zq`` differ from ``z`` by at most
 ``delta[b, v] = min(emax[v] * |x_b|_1, e2[v] * |x_b|_2) + (fp32 accumulation bound)``, where ``emax``
 and ``e2`` are the max-abs and L2 norm of the row's quantization error ``w - s * q`` (stored per row,
-rounded up). The first kernel also writes, per (token, 128-row block), the largest int8 logit ``zb`` of
-the block's valid rows (unrounded fp32) and its row. The second kernel, per token:
+rounded up). The first kernel also writes, per (token, 128-row block), one int32 key from a single
+integer max: the block's valid rows' unrounded fp32 int8 logits in an order-preserving integer form,
+their low 7 bits replaced by the row's position. The key's top bits give an upper bound ``zb`` of the
+block's largest int8 logit (low bits set) and its low bits a row ``r*`` whose int8 logit is within 128
+fp32 ulps of that largest. The per-block maxima of ``emax``, ``e2`` and ``s`` are made at load time
+(``block_bound_stats``). The second kernel (launched with programmatic dependent launch on sm_90+, so
+its prologue overlaps the first kernel's last wave), per token, in programs that each own every P-th
+block:
 
-* takes the row ``r*`` with the largest int8 logit and computes its exact logit in fp32 from the bf16
+* takes the row ``r*`` of the largest key and computes its exact logit in fp32 from the bf16
   weight; minus the fp32 summation bound ``gamma_(K+2) * sum |w_k x_k|`` that is a proven lower bound
-  ``LB <= z[r*] <= max(z)``, and ``T = LB - 2 ulp(LB)`` in the output dtype. (The previous design used
+  ``LB <= z[r*] <= max(z)`` (any row's exact logit is), and ``T = LB - 2 ulp(LB)`` in the output
+  dtype. (The previous design used
   ``LB = max(zq - delta)``, about one bound lower: a window of twice the bound instead of once, which
   on crowded random logits held 3 to 600 tokens per row; tests/gpu/results.)
 * skips every block whose bound (``zb`` plus one output ulp, plus ``delta`` evaluated with the block's
@@ -92,9 +99,15 @@ INT8_LMHEAD_MAX_BATCH = 64
 # Rows quantized at a time, to bound the temporary float64 memory of quantization (~400 MB).
 QUANTIZE_CHUNK_ROWS = 16384
 # Programs per batch row in the exact re-scoring kernel (RESCORE_PROGRAMS // batch, within limits).
-RESCORE_PROGRAMS = 512
-RESCORE_MIN_PROGRAMS_PER_ROW = 16
-RESCORE_MAX_PROGRAMS_PER_ROW = 64
+RESCORE_PROGRAMS = 1024
+RESCORE_MIN_PROGRAMS_PER_ROW = 32
+RESCORE_MAX_PROGRAMS_PER_ROW = 128
+# Candidate blocks a re-scoring program tests at once, candidate rows it re-scores at once, its warps.
+RESCORE_GROUP = 8
+RESCORE_SLOTS = 2
+RESCORE_NUM_WARPS = 4
+# Launch the re-scoring kernel with programmatic dependent launch where the device has it (sm_90+).
+USE_PDL = True
 # fp32 accumulation unit roundoff used in the error bound: 2**-23 instead of 2**-24, so the bound
 # also holds for accumulators that truncate (tensor cores). The bound charges it to every one of the
 # K additions; tensor cores that align a group of 8..16 products to the largest exponent lose at most
@@ -164,6 +177,10 @@ class Int8LMHeadWeight:
     source_data_ptr: int  # the bf16 weight this was made from (re-quantize if it is replaced)
     source_shape: tuple[int, ...]
     tile: tuple[int, int] | None = None
+    # BLOCK_V -> [3, num_blocks] float32: per block of BLOCK_V rows, the largest err_max, err_l2 and
+    # scale (over all rows, padding included: an upper bound for every subset). x-independent, so
+    # made here, at load time, not by the kernel (block_bound_stats).
+    block_stats: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def rows(self) -> torch.Tensor:
         """The int8 codes as a row-major [V, K] tensor (a copy when tiled)."""
@@ -230,7 +247,7 @@ def quantize_lm_head_weight(
         err_max[rows] = _round_up_to_float32(err.abs().amax(dim=1))
         # float64 sum of K squares: relative error < K * 2**-53, covered by the 1e-9 inflation.
         err_l2[rows] = _round_up_to_float32(err.square().sum(dim=1).sqrt() * (1.0 + 1e-9))
-    return Int8LMHeadWeight(
+    packed = Int8LMHeadWeight(
         qweight=qweight,
         scale=scale,
         err_max=err_max,
@@ -239,6 +256,24 @@ def quantize_lm_head_weight(
         source_shape=tuple(weight.shape),
         tile=tile,
     )
+    for block_v in {c.block_v for c in KERNEL_CONFIGS.values()} | ({tile[0]} if tile else set()):
+        block_bound_stats(packed, block_v)
+    return packed
+
+
+def block_bound_stats(packed: Int8LMHeadWeight, block_v: int) -> torch.Tensor:
+    """[3, num_blocks] float32: per block of ``block_v`` rows, max err_max, max err_l2, max scale (cached)."""
+    stats = packed.block_stats.get(block_v)
+    if stats is None:
+        num_rows = packed.scale.shape[0]
+        num_blocks = -(-num_rows // block_v)
+        padded = torch.zeros((3, num_blocks * block_v), dtype=torch.float32, device=packed.scale.device)
+        padded[0, :num_rows] = packed.err_max
+        padded[1, :num_rows] = packed.err_l2
+        padded[2, :num_rows] = packed.scale
+        stats = padded.view(3, num_blocks, block_v).amax(dim=2).contiguous()
+        packed.block_stats[block_v] = stats
+    return stats
 
 
 def accumulation_error_coefficient(hidden: int) -> float:
@@ -306,6 +341,21 @@ def select_kernel_config(num_tokens: int) -> KernelConfig:
 
 
 if triton is not None:
+    try:  # programmatic dependent launch (sm_90+): the re-scoring kernel overlaps the logits kernel's tail
+        from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch_dependents
+        from triton.language.extra.cuda import gdc_wait as _gdc_wait
+
+        PDL_IN_TRITON = True
+    except ImportError:  # pragma: no cover - older triton: plain stream order
+        PDL_IN_TRITON = False
+
+        @triton.jit
+        def _gdc_launch_dependents():
+            pass
+
+        @triton.jit
+        def _gdc_wait():
+            pass
 
     @triton.jit
     def _to_output_dtype(values, out_ptr, BF16_RN_BY_BITS: tl.constexpr):
@@ -323,24 +373,17 @@ if triton is not None:
         x_ptr,
         q_ptr,
         scale_ptr,
-        err_max_ptr,
-        err_l2_ptr,
         bias_ptr,
-        block_stats_ptr,
         out_ptr,
-        block_z_ptr,
-        block_row_ptr,
+        block_key_ptr,
         num_tokens,
         num_rows,
         num_valid_rows,
-        num_blocks,
         hidden,
         stride_x,
         stride_q,
         stride_out,
         stride_block,
-        acc_err_coef,
-        slack,
         HAS_BIAS: tl.constexpr,
         BLOCK_V: tl.constexpr,
         BLOCK_B: tl.constexpr,
@@ -374,6 +417,10 @@ if triton is not None:
         # Token rows past the batch are masked, not clamped: clamped rows all read the last token's
         # lines, and every program hitting the same few L2 lines slowed batch 1 (H200 explore logs).
         x_mask = mask_b[:, None]
+        # The epilogue's per-row inputs are loaded before the K loop, which hides their latency.
+        scale = tl.load(scale_ptr + rows)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + rows).to(tl.float32)
         if W_IS_A:
             acc = tl.zeros([BLOCK_V, BLOCK_B], dtype=tl.float32)
         else:
@@ -432,40 +479,35 @@ if triton is not None:
             x_ptrs += BLOCK_K
         if not W_IS_A:
             acc = tl.trans(acc)
-        scale = tl.load(scale_ptr + rows)
         z = acc * scale[:, None]
         if HAS_BIAS:
-            z += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
+            z += bias[:, None]
         out_ptrs = out_ptr + offs_b[None, :].to(tl.int64) * stride_out + offs_v[:, None]
         tl.store(out_ptrs, _to_output_dtype(z, out_ptr, BF16_RN_BY_BITS), mask=mask_v[:, None] & mask_b[None, :])
         if WITH_BOUNDS:
-            # Per (token, block): the largest int8 logit of the block's valid rows (unrounded fp32) and
-            # its row; the re-scoring kernel bounds every row of the block from these (module docstring).
+            # Per (token, block), one int32 key from one integer max: the fp32 int8 logit of each valid
+            # row in an order-preserving integer form (f >= 0: its bits; f < 0: its bits with the
+            # magnitude bits flipped), the low log2(BLOCK_V) bits replaced by BLOCK_V - 1 - (row in
+            # block). The largest key holds the top bits of the block's largest int8 logit (so setting
+            # its low bits gives an upper bound of it) and a row whose logit shares those bits (within
+            # BLOCK_V fp32 ulps of the maximum). Blocks of padding rows only hold the key of -inf.
             valid_v = offs_v < num_valid_rows
             zv = tl.where(valid_v[:, None], z, -float("inf"))
+            bits = zv.to(tl.int32, bitcast=True)
+            ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+            local = BLOCK_V - 1 - tl.arange(0, BLOCK_V)
+            key = (ordered & (-BLOCK_V)) | local[:, None]
             block_ptrs = offs_b.to(tl.int64) * stride_block + pid_v
-            tl.store(block_z_ptr + block_ptrs, tl.max(zv, axis=0), mask=mask_b)
-            tl.store(block_row_ptr + block_ptrs, pid_v * BLOCK_V + tl.argmax(zv, axis=0), mask=mask_b)
-            if pid_b == 0:
-                # x-independent per-block maxima of the per-row bound numbers (valid rows only).
-                err_max = tl.where(valid_v, tl.load(err_max_ptr + rows), 0.0)
-                err_l2 = tl.where(valid_v, tl.load(err_l2_ptr + rows), 0.0)
-                tl.store(block_stats_ptr + pid_v, tl.max(err_max, axis=0))
-                tl.store(block_stats_ptr + num_blocks + pid_v, tl.max(err_l2, axis=0))
-                tl.store(block_stats_ptr + 2 * num_blocks + pid_v, tl.max(tl.where(valid_v, scale, 0.0), axis=0))
+            tl.store(block_key_ptr + block_ptrs, tl.max(key, axis=0), mask=mask_b)
 
     @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel for all batches of a bucket
     def _int8_logits_kernel(
         x_ptr,  # [B, K] activations (bf16/fp16/fp32)
         q_ptr,  # [V, K] int8
         scale_ptr,  # [V] fp32
-        err_max_ptr,  # [V] fp32
-        err_l2_ptr,  # [V] fp32
         bias_ptr,  # [V] or dummy
-        block_stats_ptr,  # [3, NB] fp32: per block max of err_max, err_l2, scale
         out_ptr,  # [B, V] output logits
-        block_z_ptr,  # [B, NB] fp32: per block max of the (unrounded) int8 logits
-        block_row_ptr,  # [B, NB] int32: the row of that maximum
+        block_key_ptr,  # [B, NB] int32: per block, its largest int8 logit and a row (see the tile)
         num_tokens,
         num_rows,
         num_valid_rows,  # rows >= this (vocab padding) take no part in the bound
@@ -475,8 +517,6 @@ if triton is not None:
         stride_q,
         stride_out,
         stride_block,
-        acc_err_coef,
-        slack,
         HAS_BIAS: tl.constexpr,
         BLOCK_V: tl.constexpr,
         BLOCK_B: tl.constexpr,
@@ -489,22 +529,26 @@ if triton is not None:
         TILED: tl.constexpr,
         EVICT_FIRST: tl.constexpr,
         WITH_BOUNDS: tl.constexpr,
+        LAUNCH_DEPENDENTS: tl.constexpr,
     ):
+        if LAUNCH_DEPENDENTS:
+            # Programmatic dependent launch: the re-scoring kernel may be scheduled once every program
+            # of this grid has started; its programs take the slots the last wave frees, run their
+            # prologue and wait (griddepcontrol.wait) for this grid's results.
+            _gdc_launch_dependents()
         pid_b = tl.program_id(1)
         if PERSISTENT:
             # A fixed grid of programs walks the vocab blocks (no partial last wave of blocks).
             for pid_v in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
-                _int8_logits_tile(pid_v, pid_b, x_ptr, q_ptr, scale_ptr, err_max_ptr, err_l2_ptr, bias_ptr,
-                                  block_stats_ptr, out_ptr, block_z_ptr, block_row_ptr, num_tokens,
-                                  num_rows, num_valid_rows, num_blocks, hidden, stride_x, stride_q, stride_out,
-                                  stride_block, acc_err_coef, slack, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT,
-                                  W_IS_A, EVEN_K, BF16_RN_BY_BITS, TILED, EVICT_FIRST, WITH_BOUNDS)  # fmt: skip
+                _int8_logits_tile(pid_v, pid_b, x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, block_key_ptr,
+                                  num_tokens, num_rows, num_valid_rows, hidden, stride_x, stride_q, stride_out,
+                                  stride_block, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A, EVEN_K,
+                                  BF16_RN_BY_BITS, TILED, EVICT_FIRST, WITH_BOUNDS)  # fmt: skip
         else:
-            _int8_logits_tile(tl.program_id(0), pid_b, x_ptr, q_ptr, scale_ptr, err_max_ptr, err_l2_ptr,
-                              bias_ptr, block_stats_ptr, out_ptr, block_z_ptr, block_row_ptr, num_tokens,
-                              num_rows, num_valid_rows, num_blocks, hidden, stride_x, stride_q, stride_out,
-                              stride_block, acc_err_coef, slack, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A,
-                              EVEN_K, BF16_RN_BY_BITS, TILED, EVICT_FIRST, WITH_BOUNDS)  # fmt: skip
+            _int8_logits_tile(tl.program_id(0), pid_b, x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, block_key_ptr,
+                              num_tokens, num_rows, num_valid_rows, hidden, stride_x, stride_q, stride_out,
+                              stride_block, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A, EVEN_K,
+                              BF16_RN_BY_BITS, TILED, EVICT_FIRST, WITH_BOUNDS)  # fmt: skip
 
     @triton.jit
     def _exact_rescore_kernel(
@@ -515,9 +559,8 @@ if triton is not None:
         err_max_ptr,
         err_l2_ptr,
         out_ptr,  # [B, V] logits from _int8_logits_kernel; candidate tokens overwritten
-        block_z_ptr,
-        block_row_ptr,
-        block_stats_ptr,
+        block_key_ptr,  # [B, NB] int32 from _int8_logits_kernel
+        block_stats_ptr,  # [3, NB] fp32: per block max of err_max, err_l2, scale (block_bound_stats)
         num_rows,
         num_valid_rows,
         num_blocks,
@@ -536,41 +579,67 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         NB_POW2: tl.constexpr,
         PROGRAMS_PER_ROW: tl.constexpr,
+        OWN_POW2: tl.constexpr,  # >= the blocks a program owns, cdiv(num_blocks, PROGRAMS_PER_ROW)
+        GROUP: tl.constexpr,  # candidate blocks a program tests at once
+        SLOTS: tl.constexpr,  # candidate rows a program re-scores at once
         BF16_RN_BY_BITS: tl.constexpr,
         ONE_CHUNK: tl.constexpr,
-        VECTOR_TOKENS: tl.constexpr,
+        WAIT_PRIMARY: tl.constexpr,
     ):
         tok = tl.program_id(0)
         part = tl.program_id(1)
         offs_nb = tl.arange(0, NB_POW2)
         mask_nb = offs_nb < num_blocks
-        row_blocks = tok.to(tl.int64) * stride_block + offs_nb
-        block_z = tl.load(block_z_ptr + row_blocks, mask=mask_nb, other=-float("inf"))
-        block_row = tl.load(block_row_ptr + row_blocks, mask=mask_nb, other=0)
-        block_err_max = tl.load(block_stats_ptr + offs_nb, mask=mask_nb, other=0.0)
-        block_err_l2 = tl.load(block_stats_ptr + num_blocks + offs_nb, mask=mask_nb, other=0.0)
-        block_scale = tl.load(block_stats_ptr + 2 * num_blocks + offs_nb, mask=mask_nb, other=0.0)
-        # The lower bound: the exact logit of the row with the largest int8 logit (any row's exact
-        # logit is <= the maximum), computed here in fp32 together with |x|_1 and |x|_2.
-        best = tl.argmax(block_z, axis=0)
-        best_row = tl.sum(tl.where(offs_nb == best, block_row, 0), axis=0)
-        best_row = tl.minimum(tl.maximum(best_row, 0), num_rows - 1)
         offs_k = tl.arange(0, BLOCK_K)
         x_row = x_ptr + tok.to(tl.int64) * stride_x
-        w_best = w_ptr + best_row.to(tl.int64) * stride_w
+        # Program ``part`` owns the blocks part, part + PROGRAMS_PER_ROW, ...: it tests them and
+        # re-scores their candidate rows (every block has one owner, so no two programs write a row).
+        own = part + tl.arange(0, OWN_POW2) * PROGRAMS_PER_ROW
+        mask_own = own < num_blocks
+        # Prologue, on inputs the logits kernel does not write (with programmatic dependent launch it
+        # overlaps that kernel's last wave): |x|_1, |x|_2 and the bound of each owned block (as in the
+        # row test below, with the block's largest err_max, err_l2 and scale).
+        block_err_max = tl.load(block_stats_ptr + own, mask=mask_own, other=0.0)
+        block_err_l2 = tl.load(block_stats_ptr + num_blocks + own, mask=mask_own, other=0.0)
+        block_scale = tl.load(block_stats_ptr + 2 * num_blocks + own, mask=mask_own, other=0.0)
         if ONE_CHUNK:
             x_first = tl.load(x_row + offs_k, mask=offs_k < hidden, other=0.0).to(tl.float32)
-            prod = tl.load(w_best + offs_k, mask=offs_k < hidden, other=0.0).to(tl.float32) * x_first
-            best_exact = tl.sum(prod, axis=0)
-            best_abs = tl.sum(tl.abs(prod), axis=0)
             x_l1 = tl.sum(tl.abs(x_first), axis=0) * slack
             x_l2 = tl.sqrt(tl.sum(x_first * x_first, axis=0)) * slack
         else:
             x_first = tl.zeros([BLOCK_K], dtype=tl.float32)  # unused
-            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-            acc_abs = tl.zeros([BLOCK_K], dtype=tl.float32)
             l1 = tl.zeros([BLOCK_K], dtype=tl.float32)
             sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                kk = k0 + offs_k
+                xv = tl.load(x_row + kk, mask=kk < hidden, other=0.0).to(tl.float32)
+                l1 += tl.abs(xv)
+                sq += xv * xv
+            x_l1 = tl.sum(l1, axis=0) * slack
+            x_l2 = tl.sqrt(tl.sum(sq, axis=0)) * slack
+        block_delta = (tl.minimum(block_err_max * x_l1, block_err_l2 * x_l2) + acc_err_coef * block_scale * x_l1) * slack
+        if WAIT_PRIMARY:
+            _gdc_wait()
+        # Masked blocks read the key of -inf (ordered form of 0xFF800000).
+        key_row = block_key_ptr + tok.to(tl.int64) * stride_block
+        keys = tl.load(key_row + offs_nb, mask=mask_nb, other=-2139095041)
+        own_keys = tl.load(key_row + own, mask=mask_own, other=-2139095041)
+        # Upper bound of each owned block's largest int8 logit: its key with the low bits set, decoded.
+        upper_key = own_keys | (BLOCK_V - 1)
+        block_z = (upper_key ^ ((upper_key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+        # The lower bound: the exact logit of a row of the largest key (any row's exact logit is <= the
+        # maximum; this one's int8 logit is within BLOCK_V fp32 ulps of the largest), in fp32.
+        best_key, best = tl.max(keys, axis=0, return_indices=True)
+        best_row = best * BLOCK_V + (BLOCK_V - 1 - (best_key & (BLOCK_V - 1)))
+        best_row = tl.minimum(tl.maximum(best_row, 0), num_rows - 1)
+        w_best = w_ptr + best_row.to(tl.int64) * stride_w
+        if ONE_CHUNK:
+            prod = tl.load(w_best + offs_k, mask=offs_k < hidden, other=0.0).to(tl.float32) * x_first
+            best_exact = tl.sum(prod, axis=0)
+            best_abs = tl.sum(tl.abs(prod), axis=0)
+        else:
+            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+            acc_abs = tl.zeros([BLOCK_K], dtype=tl.float32)
             for k0 in range(0, hidden, BLOCK_K):
                 kk = k0 + offs_k
                 mask_k = kk < hidden
@@ -578,12 +647,8 @@ if triton is not None:
                 prod = tl.load(w_best + kk, mask=mask_k, other=0.0).to(tl.float32) * xv
                 acc += prod
                 acc_abs += tl.abs(prod)
-                l1 += tl.abs(xv)
-                sq += xv * xv
             best_exact = tl.sum(acc, axis=0)
             best_abs = tl.sum(acc_abs, axis=0)
-            x_l1 = tl.sum(l1, axis=0) * slack
-            x_l2 = tl.sqrt(tl.sum(sq, axis=0)) * slack
         if HAS_BIAS:
             best_bias = tl.load(bias_ptr + best_row).to(tl.float32)
             best_exact += best_bias
@@ -593,72 +658,65 @@ if triton is not None:
         threshold = lower_bound - (tl.abs(lower_bound) * rel_margin + abs_margin)
         # Block test: every row v of the block has R(zq_v) <= capped (rounding moves at most one output
         # ulp, half of rel_margin) and its bound <= the block's, so its row test value <= block_upper.
-        has_rows = mask_nb & (block_z > -float("inf"))  # blocks of padding rows only are never candidates
+        has_rows = mask_own & (block_z > -float("inf"))  # blocks of padding rows only are never candidates
         finite_z = tl.where(has_rows, block_z, 0.0)
         capped = finite_z + tl.abs(finite_z) * (rel_margin * 0.5) + abs_margin
-        block_delta = (
-            tl.minimum(block_err_max * x_l1, block_err_l2 * x_l2) + acc_err_coef * block_scale * x_l1
-        ) * slack
         block_upper = capped + tl.abs(capped) * (rel_margin + 4.0e-7 * slack) + abs_margin + block_delta
         is_candidate = (block_upper >= threshold) & has_rows
         count = tl.sum(is_candidate.to(tl.int32), axis=0)
         rank = tl.cumsum(is_candidate.to(tl.int32), axis=0) - 1
+        offs_g = tl.arange(0, GROUP)
         offs_r = tl.arange(0, BLOCK_V)
+        offs_s = tl.arange(0, SLOTS)
         out_row = out_ptr + tok.to(tl.int64) * stride_out
-        for r in range(part, count, PROGRAMS_PER_ROW):
-            block = tl.sum(tl.where(is_candidate & (rank == r), offs_nb, 0), axis=0)
-            rows = block * BLOCK_V + offs_r
-            mask_r = rows < num_valid_rows
+        # The owned candidate blocks, GROUP at a time (one round of loads for their rows' bounds), then
+        # their candidate rows SLOTS at a time.
+        for r0 in range(0, count, GROUP):
+            my_rank = r0 + offs_g
+            blocks = tl.sum(
+                tl.where(is_candidate[None, :] & (rank[None, :] == my_rank[:, None]), own[None, :], 0), axis=1
+            )
+            rows = tl.reshape(blocks[:, None] * BLOCK_V + offs_r[None, :], [GROUP * BLOCK_V])
+            in_group = tl.reshape((my_rank < count)[:, None] & (offs_r < BLOCK_V)[None, :], [GROUP * BLOCK_V])
+            mask_r = in_group & (rows < num_valid_rows)
             safe_rows = tl.minimum(rows, num_rows - 1)
             # Per-token upper bound from the stored (rounded) int8 logit: rounding adds at most
             # half an ulp, covered by rel_margin.
-            approx = tl.load(out_row + safe_rows).to(tl.float32)
-            scale = tl.load(scale_ptr + safe_rows)
-            quant = tl.minimum(tl.load(err_max_ptr + safe_rows) * x_l1, tl.load(err_l2_ptr + safe_rows) * x_l2)
+            approx = tl.load(out_row + safe_rows, mask=mask_r, other=0.0).to(tl.float32)
+            scale = tl.load(scale_ptr + safe_rows, mask=mask_r, other=0.0)
+            quant = tl.minimum(
+                tl.load(err_max_ptr + safe_rows, mask=mask_r, other=0.0) * x_l1,
+                tl.load(err_l2_ptr + safe_rows, mask=mask_r, other=0.0) * x_l2,
+            )
             delta = (quant + acc_err_coef * scale * x_l1 + tl.abs(approx) * 4.0e-7) * slack
             upper = approx + tl.abs(approx) * rel_margin + abs_margin + delta
             is_token = (upper >= threshold) & mask_r
-            if VECTOR_TOKENS:
-                # All candidate rows of the block at once (masked rows are not read): the form the
-                # interpreter runs fast.
-                acc2 = tl.zeros([BLOCK_V, BLOCK_K], dtype=tl.float32)
-                for k0 in range(0, hidden, BLOCK_K):
-                    kk = k0 + offs_k
-                    mask_k = kk < hidden
+            num_here = tl.sum(is_token.to(tl.int32), axis=0)
+            token_rank = tl.cumsum(is_token.to(tl.int32), axis=0) - 1
+            for t0 in range(0, num_here, SLOTS):
+                slot_rank = t0 + offs_s
+                slot_ok = slot_rank < num_here
+                slot_row = tl.sum(
+                    tl.where(is_token[None, :] & (token_rank[None, :] == slot_rank[:, None]), rows[None, :], 0), axis=1
+                )
+                w_rows = w_ptr + slot_row.to(tl.int64)[:, None] * stride_w
+                if ONE_CHUNK:
                     w = tl.load(
-                        w_ptr + safe_rows[:, None].to(tl.int64) * stride_w + kk[None, :],
-                        mask=is_token[:, None] & mask_k[None, :],
-                        other=0.0,
+                        w_rows + offs_k[None, :], mask=slot_ok[:, None] & (offs_k < hidden)[None, :], other=0.0
                     ).to(tl.float32)
-                    xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
-                    acc2 += w * xv[None, :]
-                exact_rows = tl.sum(acc2, axis=1)
+                    exact = tl.sum(w * x_first[None, :], axis=1)
+                else:
+                    acc2 = tl.zeros([SLOTS, BLOCK_K], dtype=tl.float32)
+                    for k0 in range(0, hidden, BLOCK_K):
+                        kk = k0 + offs_k
+                        mask_k = kk < hidden
+                        w = tl.load(w_rows + kk[None, :], mask=slot_ok[:, None] & mask_k[None, :], other=0.0)
+                        xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
+                        acc2 += w.to(tl.float32) * xv[None, :]
+                    exact = tl.sum(acc2, axis=1)
                 if HAS_BIAS:
-                    exact_rows += tl.load(bias_ptr + safe_rows).to(tl.float32)
-                tl.store(out_row + rows, _to_output_dtype(exact_rows, out_ptr, BF16_RN_BY_BITS), mask=is_token)
-            else:
-                # One token at a time, the whole row in one load when it fits: on the GPU this work
-                # is latency-bound, and a row per load keeps it to one memory round trip per token.
-                num_tokens_here = tl.sum(is_token.to(tl.int32), axis=0)
-                token_rank = tl.cumsum(is_token.to(tl.int32), axis=0) - 1
-                for t in range(0, num_tokens_here):
-                    row = tl.sum(tl.where(is_token & (token_rank == t), rows, 0), axis=0)
-                    w_row = w_ptr + row.to(tl.int64) * stride_w
-                    if ONE_CHUNK:
-                        w = tl.load(w_row + offs_k, mask=offs_k < hidden, other=0.0).to(tl.float32)
-                        exact = tl.sum(w * x_first, axis=0)
-                    else:
-                        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-                        for k0 in range(0, hidden, BLOCK_K):
-                            kk = k0 + offs_k
-                            mask_k = kk < hidden
-                            w = tl.load(w_row + kk, mask=mask_k, other=0.0).to(tl.float32)
-                            xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
-                            acc += w * xv
-                        exact = tl.sum(acc, axis=0)
-                    if HAS_BIAS:
-                        exact += tl.load(bias_ptr + row).to(tl.float32)
-                    tl.store(out_row + row, _to_output_dtype(exact, out_ptr, BF16_RN_BY_BITS))
+                    exact += tl.load(bias_ptr + slot_row, mask=slot_ok, other=0.0).to(tl.float32)
+                tl.store(out_row + slot_row, _to_output_dtype(exact, out_ptr, BF16_RN_BY_BITS), mask=slot_ok)
 
 
 def kernels_interpreted() -> bool:
@@ -668,6 +726,13 @@ def kernels_interpreted() -> bool:
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(_int8_logits_kernel, InterpretedFunction)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether the re-scoring kernel is launched with programmatic dependent launch on ``device``."""
+    if not USE_PDL or triton is None or device.type != "cuda" or not PDL_IN_TRITON:
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _persistent_programs(device: torch.device, programs_per_sm: int) -> int:
@@ -738,28 +803,24 @@ def int8_lm_head_logits(
     num_blocks = triton.cdiv(num_rows, cfg.block_v)
     out = torch.empty((num_tokens, num_rows), dtype=x.dtype, device=x.device)
     if exact_argmax:
-        block_z = torch.empty((num_tokens, num_blocks), dtype=torch.float32, device=x.device)
-        block_row = torch.empty((num_tokens, num_blocks), dtype=torch.int32, device=x.device)
-        block_stats = torch.empty((3, num_blocks), dtype=torch.float32, device=x.device)
-    else:  # the plain int8 logits need no block maxima: the kernel leaves these untouched
-        block_z = block_row = block_stats = packed.scale
+        block_key = torch.empty((num_tokens, num_blocks), dtype=torch.int32, device=x.device)
+        block_stats = block_bound_stats(packed, cfg.block_v)
+    else:  # the plain int8 logits need no block maxima: the kernel leaves this untouched
+        block_key = packed.scale
     has_bias = bias is not None
     bias_arg = bias if has_bias else packed.scale
     acc_err_coef = accumulation_error_coefficient(hidden)
     slack = norm_slack(hidden)
     persistent = cfg.programs_per_sm > 0 and not on_cpu
     grid_v = min(num_blocks, _persistent_programs(x.device, cfg.programs_per_sm)) if persistent else num_blocks
+    use_pdl = exact_argmax and pdl_supported(x.device)
     _int8_logits_kernel[(grid_v, triton.cdiv(num_tokens, cfg.block_b))](
         x,
         packed.qweight,
         packed.scale,
-        packed.err_max,
-        packed.err_l2,
         bias_arg,
-        block_stats,
         out,
-        block_z,
-        block_row,
+        block_key,
         num_tokens,
         num_rows,
         valid_rows,
@@ -768,9 +829,7 @@ def int8_lm_head_logits(
         x.stride(0),
         packed.qweight.shape[1] if tiled else packed.qweight.stride(0),
         out.stride(0),
-        block_z.stride(0),
-        acc_err_coef,
-        slack,
+        block_key.stride(0),
         HAS_BIAS=has_bias,
         BLOCK_V=cfg.block_v,
         BLOCK_B=cfg.block_b,
@@ -783,6 +842,7 @@ def int8_lm_head_logits(
         TILED=tiled,
         EVICT_FIRST=bool(cfg.evict_first) and not on_cpu,
         WITH_BOUNDS=exact_argmax,
+        LAUNCH_DEPENDENTS=use_pdl,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -790,15 +850,16 @@ def int8_lm_head_logits(
         rel_margin, abs_margin = OUTPUT_MARGIN[x.dtype]
         # A few programs per token, each re-scoring its share of the candidate blocks (latency-bound
         # work); the interpreter runs programs one by one: one per token there.
-        if on_cpu:
-            programs_per_row = 1
-        elif rescore_programs_per_row is not None:
+        if rescore_programs_per_row is not None:
             programs_per_row = rescore_programs_per_row
+        elif on_cpu:
+            programs_per_row = 1
         else:
             programs_per_row = max(
                 RESCORE_MIN_PROGRAMS_PER_ROW, min(RESCORE_MAX_PROGRAMS_PER_ROW, RESCORE_PROGRAMS // num_tokens)
             )
         rescore_block_k = min(triton.next_power_of_2(hidden), 256 if on_cpu else 4096)
+        launch_options = {"launch_pdl": True} if use_pdl else {}
         _exact_rescore_kernel[(num_tokens, programs_per_row)](
             x,
             weight,
@@ -807,8 +868,7 @@ def int8_lm_head_logits(
             packed.err_max,
             packed.err_l2,
             out,
-            block_z,
-            block_row,
+            block_key,
             block_stats,
             num_rows,
             valid_rows,
@@ -817,7 +877,7 @@ def int8_lm_head_logits(
             x.stride(0),
             weight.stride(0),
             out.stride(0),
-            block_z.stride(0),
+            block_key.stride(0),
             acc_err_coef,
             exact_sum_error_coefficient(hidden) * slack,
             slack,
@@ -828,10 +888,14 @@ def int8_lm_head_logits(
             BLOCK_K=rescore_block_k,
             NB_POW2=triton.next_power_of_2(num_blocks),
             PROGRAMS_PER_ROW=programs_per_row,
+            OWN_POW2=triton.next_power_of_2(triton.cdiv(num_blocks, programs_per_row)),
+            GROUP=4 if on_cpu else RESCORE_GROUP,
+            SLOTS=16 if on_cpu else RESCORE_SLOTS,
             BF16_RN_BY_BITS=round_by_bits,
             ONE_CHUNK=hidden <= rescore_block_k,
-            VECTOR_TOKENS=on_cpu,
-            num_warps=4,
+            WAIT_PRIMARY=use_pdl,
+            num_warps=4 if on_cpu else RESCORE_NUM_WARPS,
+            **launch_options,
         )
     return out
 

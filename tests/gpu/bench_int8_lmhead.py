@@ -24,8 +24,8 @@ Bandwidth definitions (bytes / time, GB = 1e9 bytes):
 * copy: (bytes read + bytes written) / time = 2 * V * K / time;
 * int8 kernel: bytes it must move: int8 weight (V*K) + per-row scale (4 * V) + activations (2 * B * K)
   read, logits (2 * B * V) written;
-* int8 exact: the same plus what its first kernel adds: the two per-row bound numbers (8 * V) read
-  and the per-block bounds (2 * 4 * B * V / BLOCK_V) written; the re-scoring kernel's reads of bf16
+* int8 exact: the same plus what its first kernel adds: one int32 key per token and block
+  (4 * B * V / BLOCK_V) written; the re-scoring kernel's reads of bf16
   rows count as overhead, not as bandwidth;
 * bf16: bf16 weight (2 * V * K) + activations read, logits written.
 
@@ -76,7 +76,7 @@ def int8_bytes(batch: int, rows: int, hidden: int) -> int:
 def int8_exact_bytes(batch: int, rows: int, hidden: int, block_v: int) -> int:
     """The same plus the bound inputs and per-block outputs of the kernel on the exact path."""
     num_blocks = -(-rows // block_v)
-    return int8_bytes(batch, rows, hidden) + 8 * rows + 2 * 4 * batch * num_blocks
+    return int8_bytes(batch, rows, hidden) + 4 * batch * num_blocks
 
 
 def bf16_bytes(batch: int, rows: int, hidden: int) -> int:
@@ -463,8 +463,9 @@ def render_markdown(result: dict, json_path: str) -> str:
         "- **Kernels.** `_int8_logits_kernel` (one launch for 1..64 tokens: the int8 weight, stored in the",
         "  kernel's tile order, streamed once through a 3-stage cp.async pipeline, converted to bf16 and",
         "  multiplied on the tensor cores, per-row scale in the epilogue). On the exact path (what vLLM",
-        "  runs) the logits kernel also writes, per token and 128-row block, the largest int8 logit and its",
-        "  row; `_exact_rescore_kernel` (below) runs last. Larger batches and devices where Triton cannot",
+        "  runs) the logits kernel also writes, per token and 128-row block, one int32 key (the block's",
+        "  largest int8 logit, rounded up, and a row at it, from one integer max); `_exact_rescore_kernel`",
+        "  (below) runs last, launched with programmatic dependent launch. Larger batches and devices where Triton cannot",
         "  run use the stock bf16 matmul.",
         "- **Greedy exactness.** Each int8 logit is within a proven bound of the exact logit",
         "  (`min(max|w - s q| * |x|_1, |w - s q|_2 * |x|_2)` plus an fp32 accumulation term; the per-row",
@@ -493,7 +494,8 @@ def render_markdown(result: dict, json_path: str) -> str:
         "then the benchmark); its JSON, logs and the GPU test log are under tests/gpu/results/. The",
         "exploration runs that chose the design (`tests/gpu/explore_int8_lmhead.py`; logs",
         "`int8_lmhead_h200_explore*.log`), the run before this kernel (`int8_lmhead_h200_before.*`) and the",
-        "run of the previous exact path (`int8_lmhead_h200_oldlb.*`) are there too.",
+        "run of the previous exact path (`int8_lmhead_h200_oldlb.*`) and the run of the exact path before",
+        "the per-block keys (`int8_lmhead_h200_prevexact.*`) are there too.",
         "",
         f"- benchmark command: `{result['command']}`",
         f"- device: {result['device']}; torch {result['torch']}, triton {result['triton']}",
@@ -518,8 +520,8 @@ def render_markdown(result: dict, json_path: str) -> str:
         "for both.",
         "",
         "Effective bandwidth: bytes the op must move over its time. int8 kernel: int8 weight + per-row",
-        "scale + activations read, logits written; int8 exact: the same plus the two per-row bound numbers",
-        "read and two numbers per token and block written (the re-scoring's bf16 rows count as overhead, not as",
+        "scale + activations read, logits written; int8 exact: the same plus one int32 key per token and block",
+        "written (the per-block bound numbers are made at load time; the re-scoring's reads count as overhead, not as",
         "bandwidth); bf16: the bf16 weight + activations read, logits written. Copy: (read + written) / time.",
         "",
         "### graph timing",
@@ -651,9 +653,28 @@ def render_markdown(result: dict, json_path: str) -> str:
         "  (the re-scoring kernel computes |x|_1, |x|_2 from the x row it loads anyway). The targets are",
         "  still not met: the epilogue and the re-scoring kernel (stage table above; its time is set by the",
         "  token with the most candidates) stay above the few microseconds the targets leave.",
-        "- Not tried yet: per-K-chunk Cauchy-Schwarz bounds are looser, not tighter (sum over chunks of",
-        "  |e_c| |x_c| >= |e| |x|), so they cannot help; what could: a tighter accumulation term, re-scoring",
-        "  candidate rows several at a time, and computing the block maxima without the argmax reduction.",
+        "- Epilogue and re-scoring, issue 10 second round (explore7-9; explore9 times the previous exact",
+        "  path on the same machine, `old`): the per-block maxima of the bound numbers are made at load",
+        "  time, the block maximum and its row come from one int32 max (an order-preserving key with the",
+        "  row in its low bits), and scale and bias are loaded before the K loop: `block maxima only` is now",
+        "  within noise of the kernel alone (it was about 3 us above). The re-scoring kernel is launched with",
+        "  programmatic dependent launch (its prologue - x, norms, the owned blocks' bounds - runs during the",
+        "  logits kernel's last wave; 1 to 3 us in explore7, within noise in explore8), each program owns every",
+        "  P-th block (no scan and ranking of all blocks per program) and tests GROUP candidate blocks, then",
+        "  re-scores SLOTS rows, per round of loads. Group/slot/warp/program-count variants moved the exact",
+        "  path by a few us at most; a scan of all blocks per program with a [GROUP, blocks] rank gather",
+        "  (explore7) was slower at batch >= 8 than the previous kernel. Same machine (explore9), previous",
+        "  -> this exact path, us: batch 1 188.2 -> 182.4, 4 197.1 -> 191.7, 16 204.4 -> 200.1; batch 32",
+        "  241.5 -> 237.7 only with 32+ re-scoring programs per token (the chosen setting; 271.5 with 16).",
+        "  The re-scoring still costs 5 to 20 us (latency-bound chains of dependent loads in the programs",
+        "  of the token with the most candidates), so the 1.95x target at batch 2..16 is still missed.",
+        "  The bf16 GEMM of this run's machine streamed at 0.97 of the copy (1.02 on the previous run's), which",
+        "  flatters the `x bf16` columns; compare runs by `exact / copy` or by explore9's same-machine figures.",
+        "- Not tried yet: a fused design (a persistent, co-resident grid with a global barrier, each program",
+        "  re-scoring its own tiles) starts behind: the persistent grids measured earlier were 2 to 5 us",
+        "  slower than the one-block-per-program grid (explore3). Per-K-chunk Cauchy-Schwarz bounds are",
+        "  looser, not tighter (sum over chunks of |e_c| |x_c| >= |e| |x|); a tighter accumulation term",
+        "  would shrink the candidate sets.",
         "- The copy reference is fair: a read-only stream of the same bytes runs at about the copy's rate",
         "  (above), and the bf16 GEMM itself streams at about the copy bandwidth.",
     ]

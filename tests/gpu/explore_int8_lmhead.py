@@ -14,7 +14,9 @@ the L2). Results go to ``--json``; a short table is printed last.
 The logs in tests/gpu/results/int8_lmhead_h200_explore*.log come from earlier versions of this script
 and of the kernels, which also timed designs no longer in the tree (a CUDA-core GEMV path; re-scoring
 from per-block maxima with per-token candidate lists; one re-scoring program per vocab block; the
-exact path stage by stage). Run: ``python3 tests/gpu/explore_int8_lmhead.py --json OUT.json``.
+exact path stage by stage). Run: ``python3 tests/gpu/explore_int8_lmhead.py --json OUT.json``;
+``--exact-only --old OLD.py`` times only the exact path: the old module against this one's re-scoring
+variants (``EXACT_VARIANTS``; logs explore7-9).
 """
 
 from __future__ import annotations
@@ -70,11 +72,97 @@ def t_graph(fn, calls: int = GRAPH_CALLS, replays: int = GRAPH_REPLAYS) -> float
     return statistics.median(times)
 
 
+VARIANT_BATCHES = (1, 4, 16, 32)
+# Re-scoring variants of the exact path: module constants of sparkfleet.int8_lmhead set for the run.
+EXACT_VARIANTS = {
+    "default": {},
+    "programs_x2": {"RESCORE_PROGRAMS": 1024, "RESCORE_MIN_PROGRAMS_PER_ROW": 32, "RESCORE_MAX_PROGRAMS_PER_ROW": 128},
+    "min32": {"RESCORE_MIN_PROGRAMS_PER_ROW": 32},
+    "g8_s2_programs_x2": {
+        "RESCORE_GROUP": 8,
+        "RESCORE_SLOTS": 2,
+        "RESCORE_PROGRAMS": 1024,
+        "RESCORE_MIN_PROGRAMS_PER_ROW": 32,
+        "RESCORE_MAX_PROGRAMS_PER_ROW": 128,
+    },
+    "g4_s2_min32": {"RESCORE_GROUP": 4, "RESCORE_SLOTS": 2, "RESCORE_MIN_PROGRAMS_PER_ROW": 32},
+}
+
+
+def explore_exact(L, weight, x, old_path, log) -> dict:
+    """Old exact path (file at ``old_path``) against this module's, per batch; variants at 1, 4, 16."""
+    import torch
+
+    out: dict = {"bf16": {}, "old": {}, "new": {}, "variants": {}}
+    ref = {b: torch.nn.functional.linear(x[:b], weight).argmax(-1) for b in (1, 2, 4, 8, 13, 16, 32)}
+    if old_path:
+        spec = importlib.util.spec_from_file_location("old_int8_lmhead", old_path)
+        old = importlib.util.module_from_spec(spec)
+        sys.modules["old_int8_lmhead"] = old
+        spec.loader.exec_module(old)
+        packed_old = old.quantize_lm_head_weight(weight, tile=old.weight_tile())
+        for b in ref:
+            xb = x[:b].contiguous()
+            rec = {
+                "kernel": t_graph(lambda xb=xb: old.int8_lm_head_logits(xb, packed_old, weight, exact_argmax=False)),
+                "exact": t_graph(lambda xb=xb: old.int8_lm_head_logits(xb, packed_old, weight)),
+            }
+            out["old"][b] = rec
+            log(f"old b={b}: kernel {rec['kernel'] * 1e3:.1f} exact {rec['exact'] * 1e3:.1f} us")
+        del packed_old
+        torch.cuda.empty_cache()
+    packed = L.quantize_lm_head_weight(weight, tile=L.weight_tile())
+    for b in ref:
+        xb = x[:b].contiguous()
+        out["bf16"][b] = t_graph(lambda xb=xb: torch.nn.functional.linear(xb, weight))
+        exact = L.int8_lm_head_logits(xb, packed, weight)
+        rec = {
+            "kernel": t_graph(lambda xb=xb: L.int8_lm_head_logits(xb, packed, weight, exact_argmax=False)),
+            "exact": t_graph(lambda xb=xb: L.int8_lm_head_logits(xb, packed, weight)),
+            "argmax_ok": bool(torch.equal(exact.argmax(-1), ref[b])),
+        }
+        out["new"][b] = rec
+        log(
+            f"new b={b}: bf16 {out['bf16'][b] * 1e3:.1f} kernel {rec['kernel'] * 1e3:.1f} exact "
+            f"{rec['exact'] * 1e3:.1f} us (x{out['bf16'][b] / rec['exact']:.3f}) argmax ok {rec['argmax_ok']}"
+        )
+    for name, consts in EXACT_VARIANTS.items():
+        saved = {k: getattr(L, k) for k in consts}
+        rec = {"constants": consts}
+        try:
+            for k, v in consts.items():
+                setattr(L, k, v)
+            for b in VARIANT_BATCHES:
+                xb = x[:b].contiguous()
+                exact = L.int8_lm_head_logits(xb, packed, weight)
+                rec[f"b{b}_ok"] = bool(torch.equal(exact.argmax(-1), ref[b]))
+                rec[f"b{b}"] = t_graph(lambda xb=xb: L.int8_lm_head_logits(xb, packed, weight))
+        except Exception as exc:  # noqa: BLE001
+            rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            for k, v in saved.items():
+                setattr(L, k, v)
+        out["variants"][name] = rec
+        log(
+            f"exact variant {name}: "
+            + ", ".join(
+                f"b{b} {rec[f'b{b}'] * 1e3:.1f} ({rec[f'b{b}_ok']})" for b in VARIANT_BATCHES if f"b{b}" in rec
+            )
+            + (f" ERROR {rec['error']}" if "error" in rec else "")
+        )
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", required=True)
     parser.add_argument("--old", help="path of the previous int8_lmhead.py, timed for comparison")
     parser.add_argument("--budget-s", type=float, default=360.0)
+    parser.add_argument(
+        "--exact-only",
+        action="store_true",
+        help="time only the exact path: the old module's (--old) against this one's re-scoring variants",
+    )
     args = parser.parse_args()
 
     import torch
@@ -98,6 +186,13 @@ def main() -> int:
     weight = (torch.randn(rows, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     x = torch.randn(64, hidden, device="cuda", generator=gen).to(torch.bfloat16)
     n8 = rows * hidden
+
+    if args.exact_only:
+        res["exact_variants"] = explore_exact(L, weight, x, args.old, log)
+        res["log"] = lines
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+        log(f"done in {time.monotonic() - t_start:.0f} s")
+        return 0
 
     # References.
     src = torch.randint(-127, 127, (n8,), dtype=torch.int8, device="cuda")

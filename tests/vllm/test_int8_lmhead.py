@@ -369,6 +369,33 @@ def _kernel_cases(int8_lmhead: Any) -> list[dict[str, Any]]:
             "max_err_over_bound": float(((raw.double() - exact64).abs() / bound).max()),
         }
     )
+    # Near-identical rows, 16-row blocks: every block and nearly every row is a candidate, so the
+    # re-scoring kernel loops over many groups of blocks and slots of rows; every logit it returns
+    # must then be the exact one rounded to bf16.
+    gen = torch.Generator().manual_seed(3)
+    rows, hidden = 1_503, 96
+    weight = (torch.randn(hidden, generator=gen) * 0.02).to(torch.bfloat16).repeat(rows, 1)
+    cols = torch.randint(0, hidden, (rows,), generator=gen)
+    picked = weight[torch.arange(rows), cols].float()
+    sign = torch.randint(0, 2, (rows,), generator=gen).float() * 2 - 1
+    weight[torch.arange(rows), cols] = (picked * (1 + sign * 2.0**-7)).to(torch.bfloat16)
+    x = torch.randn(3, hidden, generator=gen).to(torch.bfloat16)
+    cfg = int8_lmhead.KernelConfig(16, 16, 32, 4, 1, 0, 0, tiled=1)
+    packed = int8_lmhead.quantize_lm_head_weight(weight, tile=(cfg.block_v, cfg.block_k))
+    # Three re-scoring programs per token: each owns every third block.
+    exact = int8_lmhead.int8_lm_head_logits(x, packed, weight, config=cfg, rescore_programs_per_row=3)
+    plain = int8_lmhead.int8_lm_head_logits(x, packed, weight, exact_argmax=False, config=cfg)
+    exact64 = x.double() @ weight.double().T
+    cases.append(
+        {
+            "name": "flat_logits_many_candidate_blocks",
+            "exact_argmax": exact.argmax(-1).tolist(),
+            "plain_argmax": plain.argmax(-1).tolist(),
+            "reference_argmax": bf16_reference_argmax(x, weight).tolist(),
+            "all_written": bool(torch.equal(exact, exact64.to(torch.bfloat16))),
+            "max_err_over_bound": 0.0,
+        }
+    )
     return cases
 
 
