@@ -186,15 +186,18 @@ lint: $(VENV)/.stamp ## ansible-lint (production), yamllint --strict, ruff
 
 .PHONY: test-unit
 test-unit: $(VENV)/.stamp ## Fast tests: no vLLM, no sandbox
-	$(VENV)/bin/pytest -q -m "not vllm and not sandbox and not gpu" tests
+	@date +"==> %T test-unit"
+	$(VENV)/bin/pytest -q --durations=5 -m "not vllm and not sandbox and not gpu" tests
 
 .PHONY: test-vllm
 test-vllm: $(VLLM_VENV)/.stamp models wheel ## Tests on the real vLLM 0.23 code (CPU)
-	$(VLLM_PY) -m pytest -q -m "vllm and not sandbox and not gpu" tests/vllm
+	@date +"==> %T test-vllm"
+	$(VLLM_PY) -m pytest -q --durations=10 -m "vllm and not sandbox and not gpu" tests/vllm
 
 .PHONY: test-sandbox
 test-sandbox: setup sandbox-up ## Integration tests against the sandbox fleet (real deploys)
-	$(VENV)/bin/pytest -q -m "sandbox and not gpu" tests/sandbox tests/integration
+	@date +"==> %T test-sandbox"
+	$(VENV)/bin/pytest -q --durations=15 -m "sandbox and not gpu" tests/sandbox tests/integration
 
 .PHONY: test
 test: lint test-unit test-vllm test-sandbox ## Every test CI runs

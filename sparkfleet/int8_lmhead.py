@@ -617,7 +617,8 @@ if triton is not None:
                 sq += xv * xv
             x_l1 = tl.sum(l1, axis=0) * slack
             x_l2 = tl.sqrt(tl.sum(sq, axis=0)) * slack
-        block_delta = (tl.minimum(block_err_max * x_l1, block_err_l2 * x_l2) + acc_err_coef * block_scale * x_l1) * slack
+        block_delta = tl.minimum(block_err_max * x_l1, block_err_l2 * x_l2) + acc_err_coef * block_scale * x_l1
+        block_delta = block_delta * slack
         if WAIT_PRIMARY:
             _gdc_wait()
         # Masked blocks read the key of -inf (ordered form of 0xFF800000).

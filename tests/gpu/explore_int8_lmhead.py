@@ -145,9 +145,7 @@ def explore_exact(L, weight, x, old_path, log) -> dict:
         out["variants"][name] = rec
         log(
             f"exact variant {name}: "
-            + ", ".join(
-                f"b{b} {rec[f'b{b}'] * 1e3:.1f} ({rec[f'b{b}_ok']})" for b in VARIANT_BATCHES if f"b{b}" in rec
-            )
+            + ", ".join(f"b{b} {rec[f'b{b}'] * 1e3:.1f} ({rec[f'b{b}_ok']})" for b in VARIANT_BATCHES if f"b{b}" in rec)
             + (f" ERROR {rec['error']}" if "error" in rec else "")
         )
     return out

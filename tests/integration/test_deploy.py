@@ -69,8 +69,13 @@ def test_the_service_runs_unprivileged_and_hardened(deployed, sandbox_hosts, san
     assert env_mode == "600 vllm"
     props = sandbox_fleet.ssh(host, f"systemctl show -p NoNewPrivileges -p ProtectSystem -p Restart {UNIT}").stdout
     assert "NoNewPrivileges=yes" in props and "ProtectSystem=strict" in props and "Restart=on-failure" in props
-    patchset = sandbox_fleet.ssh(host, f"systemctl show -p Environment --value {UNIT}").stdout
-    assert "SPARKFLEET_PATCHSET=" in patchset
+    environment = sandbox_fleet.ssh(host, f"systemctl show -p Environment --value {UNIT}").stdout
+    assert "SPARKFLEET_PATCHSET=" in environment
+    # served from the verified local cache: the hub is never asked at run time
+    assert "HF_HUB_OFFLINE=1" in environment.split()
+    # no token in the unit, its environment or its env file (the hub fetch is the controller's)
+    unit_and_env = sandbox_fleet.ssh(host, f"systemctl cat {UNIT}; cat /etc/sparkfleet/vllm-dflash.env").stdout
+    assert "HF_TOKEN" not in unit_and_env and "HUGGING_FACE_HUB_TOKEN" not in unit_and_env
 
 
 def test_second_run_changes_nothing(deployed, sandbox_hosts) -> None:
