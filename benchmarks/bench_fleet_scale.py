@@ -48,7 +48,7 @@ RECAP = re.compile(
     r"^(?P<host>\S+)\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=(?P<unreachable>\d+)"
     r"\s+failed=(?P<failed>\d+)\s+skipped=(?P<skipped>\d+)"
 )
-TIMER = re.compile(r"Playbook run took (\d+) days, (\d+) hours, (\d+) minutes, (\d+) seconds")
+TIMER = re.compile(r"^sparkfleet_timer: \S+ took (?P<seconds>[0-9.]+) s", re.MULTILINE)
 SCHEMA = "sparkfleet-fleet-scale/1"
 
 
@@ -72,7 +72,10 @@ class PhaseResult:
     wall_s: float
     returncode: int
     recap: dict[str, dict[str, int]] = field(default_factory=dict)
-    ansible_timer_s: int | None = None
+    ansible_timer_s: float | None = None
+    # the sparkfleet_timer callback's account: seconds per role and the slowest tasks
+    per_role_s: dict[str, float] = field(default_factory=dict)
+    slowest_tasks: list[dict[str, Any]] = field(default_factory=list)
     reset_before: bool = False
 
 
@@ -122,12 +125,23 @@ def parse_recap(output: str) -> dict[str, dict[str, int]]:
     return recap
 
 
-def parse_timer(output: str) -> int | None:
-    match = TIMER.search(output)
-    if not match:
-        return None
-    days, hours, minutes, seconds = (int(g) for g in match.groups())
-    return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
+def parse_timer(output: str) -> float | None:
+    """The playbook's own wall time, from the sparkfleet_timer callback's line (the last play's)."""
+    matches = TIMER.findall(output)
+    return float(matches[-1]) if matches else None
+
+
+def timer_account(path: Path) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Seconds per role and the five slowest tasks, from the callback's JSON line (SPARKFLEET_TIMER_JSON)."""
+    if not path.is_file() or not path.read_text().strip():
+        return {}, []
+    run = json.loads(path.read_text().strip().splitlines()[-1])
+    per_role: dict[str, float] = {}
+    for task in run["tasks"]:
+        role = task["role"] or "(play)"
+        per_role[role] = round(per_role.get(role, 0.0) + task["seconds"], 1)
+    slowest = sorted(run["tasks"], key=lambda t: -t["seconds"])[:5]
+    return dict(sorted(per_role.items(), key=lambda kv: -kv[1])), slowest
 
 
 def ansible_env() -> dict[str, str]:
@@ -149,10 +163,14 @@ def run_phase(args: argparse.Namespace, phase: Phase, reset: bool) -> PhaseResul
                 raise ScaleError(f"`{shlex.join(command)}` failed: {tail[0]}")
     command = playbook_command(args, phase)
     print(f"==> [{phase.name}] {shlex.join(command)}", flush=True)
+    timer_json = ROOT / args.results_dir / f".{phase.name}.timer.json"
+    timer_json.parent.mkdir(parents=True, exist_ok=True)
+    timer_json.unlink(missing_ok=True)
+    env = {**ansible_env(), "SPARKFLEET_TIMER_JSON": str(timer_json)}
     started = time.monotonic()
     lines: list[str] = []
     with subprocess.Popen(
-        command, cwd=ROOT, env=ansible_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     ) as proc:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -163,6 +181,8 @@ def run_phase(args: argparse.Namespace, phase: Phase, reset: bool) -> PhaseResul
         returncode = proc.wait()
     wall = time.monotonic() - started
     output = "".join(lines)
+    per_role, slowest = timer_account(timer_json)
+    timer_json.unlink(missing_ok=True)
     result = PhaseResult(
         name=phase.name,
         kind=phase.kind,
@@ -172,6 +192,8 @@ def run_phase(args: argparse.Namespace, phase: Phase, reset: bool) -> PhaseResul
         returncode=returncode,
         recap=parse_recap(output),
         ansible_timer_s=parse_timer(output),
+        per_role_s=per_role,
+        slowest_tasks=slowest,
         reset_before=reset,
     )
     changed = ", ".join(f"{h} changed={r['changed']}" for h, r in result.recap.items())
@@ -290,6 +312,24 @@ def render_doc(measurement: dict[str, Any]) -> str:
             f"{single['wall_s']:.1f} s for {len(single['hosts'])} host, {fleet['wall_s']:.1f} s for "
             f"{len(fleet['hosts'])} hosts ({ratio(fleet['wall_s'], single['wall_s'])}).",
         ]
+    accounted = [p for p in results if p.get("per_role_s")]
+    if accounted:
+        roles = list(dict.fromkeys(r for p in accounted for r in p["per_role_s"]))
+        lines += [
+            "",
+            "Where each run spent its time (the `sparkfleet_timer` callback: a task's time runs from the first "
+            "host starting it to the last host finishing it, so a run's task times add up to its wall time):",
+            "",
+            "| role | " + " | ".join(f"{p['name']} (s)" for p in accounted) + " |",
+            "|---|" + "---:|" * len(accounted),
+        ]
+        for role in roles:
+            cells = " | ".join(f"{p['per_role_s'].get(role, 0.0):.1f}" for p in accounted)
+            lines.append(f"| {role} | {cells} |")
+        lines += ["", "Slowest tasks:", ""]
+        for phase in accounted:
+            tasks = "; ".join(f"{t['name']} {t['seconds']:.1f} s" for t in phase["slowest_tasks"][:3])
+            lines.append(f"- {phase['name']}: {tasks}")
     lines += ["", "## Reading it", ""]
     if not facts["fresh"]:
         lines += [

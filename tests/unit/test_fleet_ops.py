@@ -584,12 +584,12 @@ def test_fleet_scale_reads_the_recap_and_renders_ratios() -> None:
     output = (
         "PLAY RECAP ****\n"
         "spark-01                   : ok=40   changed=0    unreachable=0    failed=0    skipped=9    rescued=0\n"
-        "Playbook run took 0 days, 0 hours, 2 minutes, 5 seconds\n"
+        "\nsparkfleet_timer: site.yml took 125.4 s (148 tasks)\n"
     )
     assert scale.parse_recap(output) == {
         "spark-01": {"ok": 40, "changed": 0, "unreachable": 0, "failed": 0, "skipped": 9}
     }
-    assert scale.parse_timer(output) == 125
+    assert scale.parse_timer(output) == 125.4
 
     def phase(name: str, kind: str, hosts: list[str], wall: float) -> dict[str, Any]:
         recap = {h: {"ok": 1, "changed": 3 if kind == "provision" else 0} for h in hosts}
@@ -624,3 +624,20 @@ def test_fleet_scale_reads_the_recap_and_renders_ratios() -> None:
     assert "| provision-3 | 3 | 150.0 | spark-01 3, spark-02 3, spark-03 3 | no |" in doc
     assert "found spark-01 already converged" in doc
     assert "`python benchmarks/bench_fleet_scale.py --skip-ops`" in doc
+
+
+def test_fleet_scale_accounts_time_per_role_from_the_timer_json(tmp_path: Path) -> None:
+    from benchmarks import bench_fleet_scale as scale
+
+    tasks = [
+        {"name": "vllm_wheel : Install", "role": "vllm_wheel", "seconds": 30.0, "last_host": "spark-02"},
+        {"name": "Resolve", "role": "", "seconds": 0.5, "last_host": "spark-01"},
+        {"name": "vllm_wheel : Ship", "role": "vllm_wheel", "seconds": 2.25, "last_host": "spark-01"},
+        {"name": "vllm_service : Start", "role": "vllm_service", "seconds": 60.0, "last_host": "spark-03"},
+    ]
+    path = tmp_path / "timer.json"
+    path.write_text(json.dumps({"playbook": "site.yml", "seconds": 93.0, "tasks": tasks}) + "\n")
+    per_role, slowest = scale.timer_account(path)
+    assert per_role == {"vllm_service": 60.0, "vllm_wheel": 32.2, "(play)": 0.5}
+    assert [t["name"] for t in slowest[:2]] == ["vllm_service : Start", "vllm_wheel : Install"]
+    assert scale.timer_account(tmp_path / "missing.json") == ({}, [])
