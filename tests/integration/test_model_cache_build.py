@@ -11,7 +11,6 @@ a test group and a test account are touched.
 from __future__ import annotations
 
 import json
-import shlex
 import shutil
 import subprocess
 import sys
@@ -25,25 +24,13 @@ from sparkfleet.safetensors_stream import ShardEntry, write_shard
 from tests.fixtures.hybrid_fp8_checkpoint import write_hybrid_fp8_checkpoint
 from tests.hub.server import HubDouble
 from tests.integration.conftest import ROOT, run_playbook
+from tests.integration.model_cache_helpers import CACHE_DIR, HOSTS, clean_fleet, write_run
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
 PORT = 18505
-CACHE_DIR = "/var/lib/sparkfleet-test/models"
-GROUP = "sfcachetest"
-FANOUT_USER = "sfcachecopy"
-HOSTS = ["spark-01", "spark-02", "spark-03"]
 BASE, DONOR, NAME = "intel/tiny-int4", "qwen/tiny-fp8", "tiny-hybrid"
 UNNEEDED = "model-extra.safetensors"
-
-PLAYBOOK = """
-- name: Cache hub models (test)
-  hosts: "{{ test_hosts }}"
-  become: true
-  gather_facts: false
-  roles:
-    - role: model_cache
-"""
 
 
 @pytest.fixture(scope="module")
@@ -63,12 +50,7 @@ def hub(tmp_path_factory) -> Iterator[HubDouble]:  # noqa: ANN001
 
 @pytest.fixture(scope="module")
 def fleet(sandbox_fleet) -> object:  # noqa: ANN001 - the shared fixture
-    missing = [host for host in HOSTS if host not in sandbox_fleet.names]
-    if missing:
-        pytest.skip(f"the sandbox fleet lacks {missing}")
-    for host in HOSTS:
-        sandbox_fleet.ssh(host, f"rm -rf {shlex.quote(str(Path(CACHE_DIR).parent))}")
-    return sandbox_fleet
+    return clean_fleet(sandbox_fleet)
 
 
 def test_the_seed_builds_once_and_the_fleet_gets_the_hybrid(fleet, hub: HubDouble, tmp_path: Path) -> None:  # noqa: ANN001
@@ -78,18 +60,7 @@ def test_the_seed_builds_once_and_the_fleet_gets_the_hybrid(fleet, hub: HubDoubl
         "base": {"repo": BASE, "revision": hub.base_revision},  # type: ignore[attr-defined]
         "donor": {"repo": DONOR, "revision": hub.donor_revision},  # type: ignore[attr-defined]
     }
-    (tmp_path / "play.yml").write_text(PLAYBOOK)
-    variables = {
-        "test_hosts": ",".join(HOSTS),
-        "model_cache_dir": CACHE_DIR,
-        "model_cache_group": GROUP,
-        "model_cache_fanout_user": FANOUT_USER,
-        "model_cache_hub_seed_dir": str(tmp_path / "seed"),
-        "model_cache_hub_endpoint": hub.endpoint,
-        "model_cache_models": [model],
-    }
-    (tmp_path / "vars.json").write_text(json.dumps(variables))
-    args = [str(tmp_path / "play.yml"), "-e", f"@{tmp_path / 'vars.json'}", "--limit", ",".join(HOSTS)]
+    args = write_run(tmp_path, hub, [model])
 
     first = run_playbook(*args, timeout=900)
     assert first.returncode == 0, first.output[-4000:]

@@ -22,26 +22,15 @@ from pathlib import Path
 import pytest
 
 from tests.hub.server import HubDouble
+from tests.integration import model_cache_helpers as helpers
 from tests.integration.conftest import ANSIBLE_PLAYBOOK, ROOT, PlaybookRun, run_playbook
+from tests.integration.model_cache_helpers import CACHE_DIR, FANOUT_USER, GROUP, HOSTS, clean_fleet, sha256_on
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
 PORT = 18504
-CACHE_DIR = "/var/lib/sparkfleet-test/models"
-GROUP = "sfcachetest"
-FANOUT_USER = "sfcachecopy"
-HOSTS = ["spark-01", "spark-02", "spark-03"]
 REPO = "org/tiny-shards"
 NAME = "tiny-shards"
-
-PLAYBOOK = """
-- name: Cache hub models (test)
-  hosts: "{{ test_hosts }}"
-  become: true
-  gather_facts: false
-  roles:
-    - role: model_cache
-"""
 
 
 def repo_files() -> dict[str, bytes]:
@@ -63,28 +52,11 @@ def hub() -> Iterator[HubDouble]:
 
 @pytest.fixture(scope="module")
 def fleet(sandbox_fleet) -> object:  # noqa: ANN001 - the shared fixture
-    missing = [host for host in HOSTS if host not in sandbox_fleet.names]
-    if missing:
-        pytest.skip(f"the sandbox fleet lacks {missing}")
-    for host in HOSTS:
-        sandbox_fleet.ssh(host, f"rm -rf {shlex.quote(str(Path(CACHE_DIR).parent))}")
-    return sandbox_fleet
+    return clean_fleet(sandbox_fleet)
 
 
 def write_run(tmp: Path, hub: HubDouble, revision: str, **extra: object) -> list[str]:
-    (tmp / "play.yml").write_text(PLAYBOOK)
-    variables = {
-        "test_hosts": ",".join(HOSTS),
-        "model_cache_dir": CACHE_DIR,
-        "model_cache_group": GROUP,
-        "model_cache_fanout_user": FANOUT_USER,
-        "model_cache_hub_seed_dir": str(tmp / "seed"),
-        "model_cache_hub_endpoint": hub.endpoint,
-        "model_cache_models": [{"name": NAME, "repo": REPO, "revision": revision}],
-        **extra,
-    }
-    (tmp / "vars.json").write_text(json.dumps(variables))
-    return [str(tmp / "play.yml"), "-e", f"@{tmp / 'vars.json'}", "--limit", ",".join(HOSTS)]
+    return helpers.write_run(tmp, hub, [{"name": NAME, "repo": REPO, "revision": revision}], **extra)
 
 
 def summary(run: PlaybookRun, host: str) -> str:
@@ -97,12 +69,6 @@ def fleet_line(run: PlaybookRun) -> str:
     lines = [line for line in run.output.splitlines() if "model_cache fleet: " in line]
     assert lines, "no fleet summary line"
     return lines[-1]
-
-
-def sha256_on(fleet, host: str, path: str) -> str:  # noqa: ANN001
-    out = fleet.ssh(host, f"sha256sum {shlex.quote(path)}")
-    assert out.returncode == 0, out.stderr
-    return out.stdout.split()[0]
 
 
 def no_keys_left(fleet) -> None:  # noqa: ANN001

@@ -17,24 +17,13 @@ import pytest
 
 from tests.hub.server import HubDouble
 from tests.integration.conftest import run_playbook
+from tests.integration.model_cache_helpers import CACHE_DIR, GROUP, HOSTS, clean_fleet, sha256_on, write_run
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 MODELS = ROOT / "build" / "models"
 PORT = 18503
-CACHE_DIR = "/var/lib/sparkfleet-test/models"
-GROUP = "sfcachetest"
-HOSTS = ["spark-01", "spark-02", "spark-03"]
-
-PLAYBOOK = """
-- name: Cache hub models (test)
-  hosts: "{{ test_hosts }}"
-  become: true
-  gather_facts: false
-  roles:
-    - role: model_cache
-"""
 
 
 @pytest.fixture(scope="module")
@@ -48,32 +37,7 @@ def hub() -> Iterator[HubDouble]:
 
 @pytest.fixture(scope="module")
 def fleet(sandbox_fleet) -> object:  # noqa: ANN001 - the shared fixture
-    missing = [host for host in HOSTS if host not in sandbox_fleet.names]
-    if missing:
-        pytest.skip(f"the sandbox fleet lacks {missing}")
-    for host in HOSTS:
-        sandbox_fleet.ssh(host, f"rm -rf {shlex.quote(str(Path(CACHE_DIR).parent))}")
-    return sandbox_fleet
-
-
-def write_run(tmp: Path, hub: HubDouble, models: list[dict]) -> list[str]:
-    (tmp / "play.yml").write_text(PLAYBOOK)
-    variables = {
-        "test_hosts": ",".join(HOSTS),
-        "model_cache_dir": CACHE_DIR,
-        "model_cache_group": GROUP,
-        "model_cache_hub_seed_dir": str(tmp / "seed"),
-        "model_cache_hub_endpoint": hub.endpoint,
-        "model_cache_models": models,
-    }
-    (tmp / "vars.json").write_text(json.dumps(variables))
-    return [str(tmp / "play.yml"), "-e", f"@{tmp / 'vars.json'}", "--limit", ",".join(HOSTS)]
-
-
-def sha256_on(fleet, host: str, path: str) -> str:  # noqa: ANN001
-    out = fleet.ssh(host, f"sha256sum {shlex.quote(path)}")
-    assert out.returncode == 0, out.stderr
-    return out.stdout.split()[0]
+    return clean_fleet(sandbox_fleet)
 
 
 def test_one_seed_per_fleet_then_repair_from_the_seed(fleet, hub: HubDouble, tmp_path_factory) -> None:  # noqa: ANN001
