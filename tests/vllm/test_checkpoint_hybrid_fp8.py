@@ -170,7 +170,7 @@ def vllm_loaded(built: dict[str, Any], reference: dict[str, Any]) -> dict[str, A
 
     import torch
 
-    from tests.vllm.test_inc_hybrid_fp8 import build_vllm_tree
+    from tests.vllm.vllm_trees import build_vllm_tree
 
     root = built["root"]
     site = build_vllm_tree(root / "patched", PATCH)

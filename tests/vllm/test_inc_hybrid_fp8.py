@@ -45,6 +45,8 @@ from typing import Any
 
 import pytest
 
+from tests.vllm.vllm_trees import build_vllm_tree
+
 pytestmark = pytest.mark.vllm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -62,53 +64,8 @@ INT4_PREFIXES = {
 
 
 # --------------------------------------------------------------------------------------------------------
-# Building the stock and patched trees
+# The stock and patched trees (tests/vllm/vllm_trees.py), each run by this file as a driver
 # --------------------------------------------------------------------------------------------------------
-
-
-def _installed_vllm() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("vllm")  # locates the package without importing it
-    if spec is None or spec.origin is None:
-        pytest.fail("vllm is not installed in this interpreter: run with build/venv-vllm/bin/python")
-    return Path(spec.origin).parent
-
-
-def _touched_files(patch: Path) -> list[str]:
-    return [line[6:].split("\t")[0] for line in patch.read_text().splitlines() if line.startswith("+++ b/")]
-
-
-def build_vllm_tree(dest: Path, patch: Path | None) -> Path:
-    """A `site` dir holding a vllm package: symlinks to the installed files, patched files as real copies.
-
-    Cached bytecode is linked too (it is checked against the source's size and mtime, which symlinks
-    share), except for the patched modules, which compile into the tree's own __pycache__.
-    """
-    source = _installed_vllm()
-    site = dest / "site"
-    for dirpath, _dirnames, filenames in os.walk(source):
-        rel = Path(dirpath).relative_to(source.parent)
-        (site / rel).mkdir(parents=True, exist_ok=True)
-        for name in filenames:
-            (site / rel / name).symlink_to(Path(dirpath) / name)
-    if patch is not None:
-        for rel in _touched_files(patch):
-            target = site / rel
-            target.unlink()
-            shutil.copyfile(source.parent / rel, target)
-            cached = (
-                target.parent / "__pycache__" / f"{target.stem}.cpython-{sys.version_info[0]}{sys.version_info[1]}.pyc"
-            )
-            cached.unlink(missing_ok=True)
-        result = subprocess.run(
-            ["patch", "-p1", "--batch", "--forward", "-i", str(patch)],
-            cwd=site,
-            capture_output=True,
-            text=True,
-        )
-        assert result.returncode == 0, f"{patch.name} does not apply to the installed vllm:\n{result.stdout}"
-    return site
 
 
 def run_drivers(*runs: tuple[Path, Path, list[str]]) -> list[dict[str, Any]]:

