@@ -1574,7 +1574,12 @@ def parse_arguments(argv: Sequence[str]) -> Arguments:
     aptrepo.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
     up = commands.add_parser("up", help="boot spark-01..spark-NN (stops hosts beyond NN, keeping their state)")
     up.add_argument("--hosts", type=int, default=3, help="number of hosts (default 3)")
-    up.add_argument("--timeout", type=float, default=90.0, help="seconds to wait for the hosts (default 90)")
+    up.add_argument(
+        "--timeout",
+        type=float,
+        default=240.0,
+        help="seconds to wait for the hosts (default 240: a host that serves at boot starts vLLM too)",
+    )
     down = commands.add_parser("down", help="stop every host, remove mounts, namespaces, links, processes")
     down.add_argument("--purge", action="store_true", help="also delete host state (fresh hosts next time)")
     down.add_argument(
