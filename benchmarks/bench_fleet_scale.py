@@ -231,7 +231,7 @@ def environment_facts(args: argparse.Namespace) -> dict[str, Any]:
 
     return {
         "utc_time": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "git_commit": quiet(["git", "rev-parse", "--short", "HEAD"]),
+        "git_commit": quiet(["git", "describe", "--always", "--dirty", "--abbrev=7"]),  # -dirty: uncommitted changes
         "ansible": quiet([str(Path(args.ansible_playbook)), "--version"]),
         "controller_cpus": os.cpu_count(),
         "controller": f"{platform.system()} {platform.machine()}",
