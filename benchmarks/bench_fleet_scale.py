@@ -136,12 +136,9 @@ def timer_account(path: Path) -> tuple[dict[str, float], list[dict[str, Any]]]:
     if not path.is_file() or not path.read_text().strip():
         return {}, []
     run = json.loads(path.read_text().strip().splitlines()[-1])
-    per_role: dict[str, float] = {}
-    for task in run["tasks"]:
-        role = task["role"] or "(play)"
-        per_role[role] = round(per_role.get(role, 0.0) + task["seconds"], 1)
+    per_role = {role: round(seconds, 1) for role, seconds in run["per_role"].items()}  # slowest first
     slowest = sorted(run["tasks"], key=lambda t: -t["seconds"])[:5]
-    return dict(sorted(per_role.items(), key=lambda kv: -kv[1])), slowest
+    return per_role, slowest
 
 
 def ansible_env() -> dict[str, str]:

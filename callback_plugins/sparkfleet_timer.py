@@ -21,7 +21,7 @@ short_description: the run's wall time, its slowest tasks and its time per role
 description:
   - After the play recap, prints the run's wall time, the C(top) slowest tasks (wall time across
     hosts, with the role and the host that finished last) and the time spent in each role.
-  - Optionally writes every task's timing as JSON (for CI timing reports).
+  - Optionally writes the run's time, its seconds per role and every task's timing as JSON.
 options:
   top:
     description: How many of the slowest tasks to print (0 prints only the totals).
@@ -104,15 +104,16 @@ class CallbackModule(CallbackBase):
         per_role: dict[str, float] = defaultdict(float)
         for row in rows:
             per_role[row["role"] or "(play)"] += row["seconds"]
+        roles = {name: round(secs, 2) for name, secs in sorted(per_role.items(), key=lambda kv: -kv[1])}
         top = self.get_option("top")
         self._display.display(f"\nsparkfleet_timer: {self._playbook} took {total:.1f} s ({len(rows)} tasks)")
         if top > 0:
             for row in sorted(rows, key=lambda r: -r["seconds"])[:top]:
                 # a role's task names already start with "role : "
                 self._display.display(f"  {row['seconds']:8.1f} s  {row['name']}  (last: {row['last_host']})")
-            roles = sorted(per_role.items(), key=lambda kv: -kv[1])
-            self._display.display("  per role: " + ", ".join(f"{name} {secs:.0f} s" for name, secs in roles))
+            self._display.display("  per role: " + ", ".join(f"{name} {secs:.0f} s" for name, secs in roles.items()))
         path = self.get_option("json_path")
         if path:
             with open(path, "a", encoding="utf-8") as fh:
-                fh.write(json.dumps({"playbook": self._playbook, "seconds": round(total, 2), "tasks": rows}) + "\n")
+                run = {"playbook": self._playbook, "seconds": round(total, 2), "per_role": roles, "tasks": rows}
+                fh.write(json.dumps(run) + "\n")

@@ -74,3 +74,5 @@ def test_the_slowest_task_is_named_and_the_json_adds_up(tmp_path: Path) -> None:
         "A skipped task",
     ]
     assert sum(t["seconds"] for t in run["tasks"]) <= run["seconds"]
+    # per role: the tasks' seconds summed, slowest role first (a play without roles: all "(play)")
+    assert run["per_role"] == {"(play)": round(sum(t["seconds"] for t in run["tasks"]), 2)}
