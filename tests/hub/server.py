@@ -210,6 +210,8 @@ class HubDouble:
 
     # -- counters ----------------------------------------------------------------------------------
     def record(self, served: Served) -> None:
+        """Log a request. Handlers call it before the response goes out: a client that has its answer
+        (and a test that checks the log right after) always finds the request logged."""
         with self._lock:
             self.log.append(served)
 
@@ -295,6 +297,7 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
 
         def _error(self, status: int, code: str, message: str, kind: str, repo: str | None, path: str | None):
             body = json.dumps({"error": message}).encode()
+            hub.record(Served(self.command, kind, repo, path, status, 0, 0, False))
             self.send_response(status)
             self.send_header("X-Error-Code", code)
             self.send_header("X-Error-Message", message)
@@ -303,7 +306,6 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(body)
-            hub.record(Served(self.command, kind, repo, path, status, 0, 0, False))
 
         def _repo_or_error(self, repo_id: str, kind: str, path: str | None) -> Repo | None:
             repo = hub.repos.get(repo_id)
@@ -356,12 +358,12 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
                     "siblings": [commit.files[name].sibling() for name in sorted(commit.files)],
                 }
             ).encode()
+            hub.record(Served("GET", "api", repo_id, None, 200, len(body), 0, True))
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
-            hub.record(Served("GET", "api", repo_id, None, 200, len(body), 0, True))
 
         def _resolve(self, repo_id: str, revision: str, path: str, head: bool) -> None:
             repo = self._repo_or_error(repo_id, "file", path)
@@ -405,21 +407,21 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
             self.send_header("Content-Length", str(len(body)))
             if status == 206:
                 self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+            cut = hub._take(hub._cuts, (repo_id, path)) if not head else None
+            cut_short = cut is not None and cut.value < len(body)
+            sent = 0 if head else cut.value if cut_short else len(body)
+            hub.record(Served(self.command, "file", repo_id, path, status, sent, start, True))
             self.end_headers()
             if head:
-                hub.record(Served("HEAD", "file", repo_id, path, status, 0, 0, True))
                 return
-            cut = hub._take(hub._cuts, (repo_id, path))
-            if cut is not None and cut.value < len(body):
+            if cut_short:
                 self.wfile.write(body[: cut.value])
                 self.wfile.flush()
                 self.close_connection = True
                 with contextlib.suppress(OSError):
                     self.connection.shutdown(socket.SHUT_RDWR)
-                hub.record(Served("GET", "file", repo_id, path, status, cut.value, start, True))
                 return
             self.wfile.write(body)
-            hub.record(Served("GET", "file", repo_id, path, status, len(body), start, True))
 
     return HubHandler
 
