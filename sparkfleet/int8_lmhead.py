@@ -103,9 +103,13 @@ RESCORE_PROGRAMS = 1024
 RESCORE_MIN_PROGRAMS_PER_ROW = 32
 RESCORE_MAX_PROGRAMS_PER_ROW = 128
 # Candidate blocks a re-scoring program tests at once, candidate rows it re-scores at once, its warps.
-RESCORE_GROUP = 8
+RESCORE_GROUP = 4
 RESCORE_SLOTS = 2
 RESCORE_NUM_WARPS = 4
+# Hidden elements per chunk of the re-scoring kernel's dot products (the chunks are unrolled), and an
+# optional register cap for it (0: the compiler's choice).
+RESCORE_CHUNK_K = 1024
+RESCORE_MAXNREG = 0
 # Launch the re-scoring kernel with programmatic dependent launch where the device has it (sm_90+).
 USE_PDL = True
 # fp32 accumulation unit roundoff used in the error bound: 2**-23 instead of 2**-24, so the bound
@@ -583,7 +587,7 @@ if triton is not None:
         GROUP: tl.constexpr,  # candidate blocks a program tests at once
         SLOTS: tl.constexpr,  # candidate rows a program re-scores at once
         BF16_RN_BY_BITS: tl.constexpr,
-        ONE_CHUNK: tl.constexpr,
+        NUM_KC: tl.constexpr,  # cdiv(hidden, BLOCK_K): hidden-dimension chunks, unrolled
         WAIT_PRIMARY: tl.constexpr,
     ):
         tok = tl.program_id(0)
@@ -602,21 +606,17 @@ if triton is not None:
         block_err_max = tl.load(block_stats_ptr + own, mask=mask_own, other=0.0)
         block_err_l2 = tl.load(block_stats_ptr + num_blocks + own, mask=mask_own, other=0.0)
         block_scale = tl.load(block_stats_ptr + 2 * num_blocks + own, mask=mask_own, other=0.0)
-        if ONE_CHUNK:
-            x_first = tl.load(x_row + offs_k, mask=offs_k < hidden, other=0.0).to(tl.float32)
-            x_l1 = tl.sum(tl.abs(x_first), axis=0) * slack
-            x_l2 = tl.sqrt(tl.sum(x_first * x_first, axis=0)) * slack
-        else:
-            x_first = tl.zeros([BLOCK_K], dtype=tl.float32)  # unused
-            l1 = tl.zeros([BLOCK_K], dtype=tl.float32)
-            sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, hidden, BLOCK_K):
-                kk = k0 + offs_k
-                xv = tl.load(x_row + kk, mask=kk < hidden, other=0.0).to(tl.float32)
-                l1 += tl.abs(xv)
-                sq += xv * xv
-            x_l1 = tl.sum(l1, axis=0) * slack
-            x_l2 = tl.sqrt(tl.sum(sq, axis=0)) * slack
+        # The hidden dimension is walked in NUM_KC unrolled chunks (all loads of a walk can be in
+        # flight at once; x is re-read from L1 at each walk instead of held in registers).
+        l1 = tl.zeros([BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for c in tl.static_range(NUM_KC):
+            kk = c * BLOCK_K + offs_k
+            xv = tl.load(x_row + kk, mask=kk < hidden, other=0.0).to(tl.float32)
+            l1 += tl.abs(xv)
+            sq += xv * xv
+        x_l1 = tl.sum(l1, axis=0) * slack
+        x_l2 = tl.sqrt(tl.sum(sq, axis=0)) * slack
         block_delta = tl.minimum(block_err_max * x_l1, block_err_l2 * x_l2) + acc_err_coef * block_scale * x_l1
         block_delta = block_delta * slack
         if WAIT_PRIMARY:
@@ -634,22 +634,17 @@ if triton is not None:
         best_row = best * BLOCK_V + (BLOCK_V - 1 - (best_key & (BLOCK_V - 1)))
         best_row = tl.minimum(tl.maximum(best_row, 0), num_rows - 1)
         w_best = w_ptr + best_row.to(tl.int64) * stride_w
-        if ONE_CHUNK:
-            prod = tl.load(w_best + offs_k, mask=offs_k < hidden, other=0.0).to(tl.float32) * x_first
-            best_exact = tl.sum(prod, axis=0)
-            best_abs = tl.sum(tl.abs(prod), axis=0)
-        else:
-            acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-            acc_abs = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, hidden, BLOCK_K):
-                kk = k0 + offs_k
-                mask_k = kk < hidden
-                xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
-                prod = tl.load(w_best + kk, mask=mask_k, other=0.0).to(tl.float32) * xv
-                acc += prod
-                acc_abs += tl.abs(prod)
-            best_exact = tl.sum(acc, axis=0)
-            best_abs = tl.sum(acc_abs, axis=0)
+        acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+        acc_abs = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for c in tl.static_range(NUM_KC):
+            kk = c * BLOCK_K + offs_k
+            mask_k = kk < hidden
+            xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
+            prod = tl.load(w_best + kk, mask=mask_k, other=0.0).to(tl.float32) * xv
+            acc += prod
+            acc_abs += tl.abs(prod)
+        best_exact = tl.sum(acc, axis=0)
+        best_abs = tl.sum(acc_abs, axis=0)
         if HAS_BIAS:
             best_bias = tl.load(bias_ptr + best_row).to(tl.float32)
             best_exact += best_bias
@@ -701,20 +696,14 @@ if triton is not None:
                     tl.where(is_token[None, :] & (token_rank[None, :] == slot_rank[:, None]), rows[None, :], 0), axis=1
                 )
                 w_rows = w_ptr + slot_row.to(tl.int64)[:, None] * stride_w
-                if ONE_CHUNK:
-                    w = tl.load(
-                        w_rows + offs_k[None, :], mask=slot_ok[:, None] & (offs_k < hidden)[None, :], other=0.0
-                    ).to(tl.float32)
-                    exact = tl.sum(w * x_first[None, :], axis=1)
-                else:
-                    acc2 = tl.zeros([SLOTS, BLOCK_K], dtype=tl.float32)
-                    for k0 in range(0, hidden, BLOCK_K):
-                        kk = k0 + offs_k
-                        mask_k = kk < hidden
-                        w = tl.load(w_rows + kk[None, :], mask=slot_ok[:, None] & mask_k[None, :], other=0.0)
-                        xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
-                        acc2 += w.to(tl.float32) * xv[None, :]
-                    exact = tl.sum(acc2, axis=1)
+                acc2 = tl.zeros([SLOTS, BLOCK_K], dtype=tl.float32)
+                for c in tl.static_range(NUM_KC):
+                    kk = c * BLOCK_K + offs_k
+                    mask_k = kk < hidden
+                    w = tl.load(w_rows + kk[None, :], mask=slot_ok[:, None] & mask_k[None, :], other=0.0)
+                    xv = tl.load(x_row + kk, mask=mask_k, other=0.0).to(tl.float32)
+                    acc2 += w.to(tl.float32) * xv[None, :]
+                exact = tl.sum(acc2, axis=1)
                 if HAS_BIAS:
                     exact += tl.load(bias_ptr + slot_row, mask=slot_ok, other=0.0).to(tl.float32)
                 tl.store(out_row + slot_row, _to_output_dtype(exact, out_ptr, BF16_RN_BY_BITS), mask=slot_ok)
@@ -859,7 +848,7 @@ def int8_lm_head_logits(
             programs_per_row = max(
                 RESCORE_MIN_PROGRAMS_PER_ROW, min(RESCORE_MAX_PROGRAMS_PER_ROW, RESCORE_PROGRAMS // num_tokens)
             )
-        rescore_block_k = min(triton.next_power_of_2(hidden), 256 if on_cpu else 4096)
+        rescore_block_k = min(triton.next_power_of_2(hidden), 256 if on_cpu else RESCORE_CHUNK_K)
         launch_options = {"launch_pdl": True} if use_pdl else {}
         _exact_rescore_kernel[(num_tokens, programs_per_row)](
             x,
@@ -893,10 +882,11 @@ def int8_lm_head_logits(
             GROUP=4 if on_cpu else RESCORE_GROUP,
             SLOTS=16 if on_cpu else RESCORE_SLOTS,
             BF16_RN_BY_BITS=round_by_bits,
-            ONE_CHUNK=hidden <= rescore_block_k,
+            NUM_KC=triton.cdiv(hidden, rescore_block_k),
             WAIT_PRIMARY=use_pdl,
             num_warps=4 if on_cpu else RESCORE_NUM_WARPS,
             **launch_options,
+            **({"maxnreg": RESCORE_MAXNREG} if RESCORE_MAXNREG and not on_cpu else {}),
         )
     return out
 

@@ -151,6 +151,150 @@ def explore_exact(L, weight, x, old_path, log) -> dict:
     return out
 
 
+RESCORE_BATCHES = (1, 4, 8, 16)
+# Re-scoring kernel variants (explore10): module constants set for the run.
+RESCORE_VARIANTS = {
+    # explore10 (log int8_lmhead_h200_explore10.log) swept one constant at a time from GROUP 8, chunk 1024;
+    # explore11 from the chosen GROUP 4. "previous" is the kernel before explore10 (one 4096 chunk, GROUP 8).
+    "default": {},
+    "previous": {"RESCORE_CHUNK_K": 4096, "RESCORE_GROUP": 8},
+    "chunk4096": {"RESCORE_CHUNK_K": 4096},
+    "group2": {"RESCORE_GROUP": 2},
+    "slots1": {"RESCORE_SLOTS": 1},
+    "p16": {"RESCORE_MIN_PROGRAMS_PER_ROW": 16, "RESCORE_MAX_PROGRAMS_PER_ROW": 16},
+    "p32": {"RESCORE_MIN_PROGRAMS_PER_ROW": 32, "RESCORE_MAX_PROGRAMS_PER_ROW": 32},
+    "maxnreg80": {"RESCORE_MAXNREG": 80},
+}
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: launches it and keeps what the launch returned (the compiled kernel)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.compiled = None
+
+    def __getitem__(self, grid):
+        launch = self.fn[grid]
+
+        def run(*args, **kwargs):
+            self.compiled = launch(*args, **kwargs)
+            return self.compiled
+
+        return run
+
+
+def _compiled_facts(compiled) -> dict:
+    if compiled is None:
+        return {}
+    meta = getattr(compiled, "metadata", None)
+    return {
+        "n_regs": getattr(compiled, "n_regs", None),
+        "n_spills": getattr(compiled, "n_spills", None),
+        "shared": getattr(meta, "shared", None),
+        "num_warps": getattr(meta, "num_warps", None),
+    }
+
+
+def candidate_stats(L, packed, weight, x, programs_per_row: int) -> dict:
+    """Approximate candidate counts per token (no fp32 margins): rows and blocks whose bound reaches the
+    exact logit of the largest int8 logit, and the most owned by one re-scoring program."""
+    import torch
+
+    block_v = packed.tile[0] if packed.tile else 128
+    zq = L.int8_lm_head_logits(x, packed, weight, exact_argmax=False).double()
+    z = x.double() @ weight.double().T
+    bound = L.int8_logit_error_bound(x, packed)
+    best = zq.argmax(-1)
+    lb = z.gather(1, best[:, None])
+    rows = (zq + bound) >= lb
+    num_rows = weight.shape[0]
+    nb = -(-num_rows // block_v)
+    pad = nb * block_v - num_rows
+    padded_rows = torch.nn.functional.pad(rows, (0, pad)).view(x.shape[0], nb, block_v)
+    cand_blocks = padded_rows.any(-1)
+    owner = torch.arange(nb, device=x.device) % programs_per_row
+    per_prog_rows = torch.zeros(x.shape[0], programs_per_row, device=x.device, dtype=torch.long)
+    per_prog_rows.index_add_(1, owner, padded_rows.sum(-1).long())
+    per_prog_blocks = torch.zeros_like(per_prog_rows)
+    per_prog_blocks.index_add_(1, owner, cand_blocks.long())
+    return {
+        "rows_per_token": rows.sum(-1).tolist(),
+        "blocks_per_token": cand_blocks.sum(-1).tolist(),
+        "max_rows_per_program": per_prog_rows.max(-1).values.tolist(),
+        "max_blocks_per_program": per_prog_blocks.max(-1).values.tolist(),
+    }
+
+
+def explore_rescore(L, weight, x, log) -> dict:
+    """The re-scoring kernel: its registers, candidate counts, and constant variants (explore10)."""
+    import torch
+
+    out: dict = {"batches": {}, "variants": {}}
+    packed = L.quantize_lm_head_weight(weight, tile=L.weight_tile())
+    ref = {b: torch.nn.functional.linear(x[:b], weight).argmax(-1) for b in RESCORE_BATCHES}
+    recorder = _Recorder(L._exact_rescore_kernel)
+    real = L._exact_rescore_kernel
+    L._exact_rescore_kernel = recorder
+    try:
+        for b in RESCORE_BATCHES:
+            xb = x[:b].contiguous()
+            L.int8_lm_head_logits(xb, packed, weight)
+            facts = _compiled_facts(recorder.compiled)
+            ppr = max(L.RESCORE_MIN_PROGRAMS_PER_ROW, min(L.RESCORE_MAX_PROGRAMS_PER_ROW, L.RESCORE_PROGRAMS // b))
+            cands = candidate_stats(L, packed, weight, xb, ppr)
+            rec = {
+                "bf16": t_graph(lambda xb=xb: torch.nn.functional.linear(xb, weight)),
+                "kernel": t_graph(lambda xb=xb: L.int8_lm_head_logits(xb, packed, weight, exact_argmax=False)),
+                "exact": t_graph(lambda xb=xb: L.int8_lm_head_logits(xb, packed, weight)),
+                "rescore_kernel": facts,
+                "programs_per_row": ppr,
+                "candidates": cands,
+            }
+            out["batches"][b] = rec
+            log(
+                f"b={b}: bf16 {rec['bf16'] * 1e3:.1f} kernel {rec['kernel'] * 1e3:.1f} "
+                f"exact {rec['exact'] * 1e3:.1f} us "
+                f"(x{rec['bf16'] / rec['exact']:.3f}, re-scoring {(rec['exact'] - rec['kernel']) * 1e3:.1f}); "
+                f"rescore kernel {facts}; programs/token {ppr}; "
+                f"candidate rows/token max {max(cands['rows_per_token'])}, "
+                f"blocks max {max(cands['blocks_per_token'])}, "
+                f"most rows per program {max(cands['max_rows_per_program'])}, "
+                f"most blocks per program {max(cands['max_blocks_per_program'])}"
+            )
+        for name, consts in RESCORE_VARIANTS.items():
+            saved = {k: getattr(L, k) for k in consts}
+            rec = {"constants": consts}
+            try:
+                for k, v in consts.items():
+                    setattr(L, k, v)
+                for b in RESCORE_BATCHES:
+                    xb = x[:b].contiguous()
+                    exact = L.int8_lm_head_logits(xb, packed, weight)
+                    rec[f"b{b}_facts"] = _compiled_facts(recorder.compiled)
+                    rec[f"b{b}_ok"] = bool(torch.equal(exact.argmax(-1), ref[b]))
+                    rec[f"b{b}"] = t_graph(lambda xb=xb: L.int8_lm_head_logits(xb, packed, weight))
+            except Exception as exc:  # noqa: BLE001
+                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            finally:
+                for k, v in saved.items():
+                    setattr(L, k, v)
+            out["variants"][name] = rec
+            log(
+                f"rescore variant {name}: "
+                + ", ".join(
+                    f"b{b} {rec[f'b{b}'] * 1e3:.1f} ({rec[f'b{b}_ok']}, regs {rec[f'b{b}_facts'].get('n_regs')}"
+                    f"/spills {rec[f'b{b}_facts'].get('n_spills')})"
+                    for b in RESCORE_BATCHES
+                    if f"b{b}" in rec
+                )
+                + (f" ERROR {rec['error']}" if "error" in rec else "")
+            )
+    finally:
+        L._exact_rescore_kernel = real
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", required=True)
@@ -161,6 +305,7 @@ def main() -> int:
         action="store_true",
         help="time only the exact path: the old module's (--old) against this one's re-scoring variants",
     )
+    parser.add_argument("--rescore", action="store_true", help="the re-scoring kernel only (explore10)")
     args = parser.parse_args()
 
     import torch
@@ -184,6 +329,15 @@ def main() -> int:
     weight = (torch.randn(rows, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     x = torch.randn(64, hidden, device="cuda", generator=gen).to(torch.bfloat16)
     n8 = rows * hidden
+
+    if args.rescore:
+        res["rescore"] = explore_rescore(L, weight, x, log)
+        if args.old:
+            res["exact_variants"] = explore_exact(L, weight, x, args.old, log)
+        res["log"] = lines
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+        log(f"done in {time.monotonic() - t_start:.0f} s")
+        return 0
 
     if args.exact_only:
         res["exact_variants"] = explore_exact(L, weight, x, args.old, log)
