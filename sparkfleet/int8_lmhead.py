@@ -110,6 +110,10 @@ RESCORE_NUM_WARPS = 4
 # optional register cap for it (0: the compiler's choice).
 RESCORE_CHUNK_K = 1024
 RESCORE_MAXNREG = 0
+# Per-program record of the re-scoring kernel's trace (int8_lm_head_logits(trace=...)): SM id;
+# globaltimer ns at start, after the wait for the logits kernel, at the end; SM clock at start, after
+# the wait, once the threshold is known, at the end; candidate blocks; rows re-scored.
+TRACE_FIELDS = 10
 # Launch the re-scoring kernel with programmatic dependent launch where the device has it (sm_90+).
 USE_PDL = True
 # fp32 accumulation unit roundoff used in the error bound: 2**-23 instead of 2**-24, so the bound
@@ -361,6 +365,22 @@ if triton is not None:
         def _gdc_wait():
             pass
 
+    _TRACE_FIELDS = tl.constexpr(TRACE_FIELDS)
+
+    @triton.jit
+    def _trace_clock():
+        """The SM's cycle counter (tracing only)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit
+    def _trace_globaltimer():
+        """The device-wide nanosecond timer (tracing only)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+    @triton.jit
+    def _trace_smid():
+        return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
+
     @triton.jit
     def _to_output_dtype(values, out_ptr, BF16_RN_BY_BITS: tl.constexpr):
         """fp32 -> the output dtype, round to nearest even (the interpreter truncates to bf16)."""
@@ -565,6 +585,7 @@ if triton is not None:
         out_ptr,  # [B, V] logits from _int8_logits_kernel; candidate tokens overwritten
         block_key_ptr,  # [B, NB] int32 from _int8_logits_kernel
         block_stats_ptr,  # [3, NB] fp32: per block max of err_max, err_l2, scale (block_bound_stats)
+        trace_ptr,  # [B, PROGRAMS_PER_ROW, TRACE_FIELDS] int64 with TRACE, else unused
         num_rows,
         num_valid_rows,
         num_blocks,
@@ -589,9 +610,13 @@ if triton is not None:
         BF16_RN_BY_BITS: tl.constexpr,
         NUM_KC: tl.constexpr,  # cdiv(hidden, BLOCK_K): hidden-dimension chunks, unrolled
         WAIT_PRIMARY: tl.constexpr,
+        TRACE: tl.constexpr,  # record per-program timestamps (exploration only; see TRACE_FIELDS)
     ):
         tok = tl.program_id(0)
         part = tl.program_id(1)
+        if TRACE:
+            trace_gt_start = _trace_globaltimer()
+            trace_c_start = _trace_clock()
         offs_nb = tl.arange(0, NB_POW2)
         mask_nb = offs_nb < num_blocks
         offs_k = tl.arange(0, BLOCK_K)
@@ -621,6 +646,9 @@ if triton is not None:
         block_delta = block_delta * slack
         if WAIT_PRIMARY:
             _gdc_wait()
+        if TRACE:
+            trace_gt_wait = _trace_globaltimer()
+            trace_c_wait = _trace_clock()
         # Masked blocks read the key of -inf (ordered form of 0xFF800000).
         key_row = block_key_ptr + tok.to(tl.int64) * stride_block
         keys = tl.load(key_row + offs_nb, mask=mask_nb, other=-2139095041)
@@ -652,6 +680,8 @@ if triton is not None:
         # fp32 sum of exact products: error <= gamma * sum |products| (exact_err_coef = gamma * slack).
         lower_bound = best_exact - best_abs * exact_err_coef
         threshold = lower_bound - (tl.abs(lower_bound) * rel_margin + abs_margin)
+        if TRACE:
+            trace_c_threshold = _trace_clock()
         # Block test: every row v of the block has R(zq_v) <= capped (rounding moves at most one output
         # ulp, half of rel_margin) and its bound <= the block's, so its row test value <= block_upper.
         has_rows = mask_own & (block_z > -float("inf"))  # blocks of padding rows only are never candidates
@@ -665,6 +695,7 @@ if triton is not None:
         offs_r = tl.arange(0, BLOCK_V)
         offs_s = tl.arange(0, SLOTS)
         out_row = out_ptr + tok.to(tl.int64) * stride_out
+        rows_rescored = 0
         # The owned candidate blocks, GROUP at a time (one round of loads for their rows' bounds), then
         # their candidate rows SLOTS at a time.
         for r0 in range(0, count, GROUP):
@@ -688,6 +719,7 @@ if triton is not None:
             upper = approx + tl.abs(approx) * rel_margin + abs_margin + delta
             is_token = (upper >= threshold) & mask_r
             num_here = tl.sum(is_token.to(tl.int32), axis=0)
+            rows_rescored += num_here
             token_rank = tl.cumsum(is_token.to(tl.int32), axis=0) - 1
             for t0 in range(0, num_here, SLOTS):
                 slot_rank = t0 + offs_s
@@ -707,6 +739,20 @@ if triton is not None:
                 if HAS_BIAS:
                     exact += tl.load(bias_ptr + slot_row, mask=slot_ok, other=0.0).to(tl.float32)
                 tl.store(out_row + slot_row, _to_output_dtype(exact, out_ptr, BF16_RN_BY_BITS), mask=slot_ok)
+        if TRACE:
+            trace_c_end = _trace_clock()
+            trace_gt_end = _trace_globaltimer()
+            at = trace_ptr + (tok.to(tl.int64) * PROGRAMS_PER_ROW + part) * _TRACE_FIELDS
+            tl.store(at + 0, _trace_smid().to(tl.int64))
+            tl.store(at + 1, trace_gt_start)
+            tl.store(at + 2, trace_gt_wait)
+            tl.store(at + 3, trace_gt_end)
+            tl.store(at + 4, trace_c_start)
+            tl.store(at + 5, trace_c_wait)
+            tl.store(at + 6, trace_c_threshold)
+            tl.store(at + 7, trace_c_end)
+            tl.store(at + 8, count.to(tl.int64))
+            tl.store(at + 9, rows_rescored.to(tl.int64))
 
 
 def kernels_interpreted() -> bool:
@@ -739,6 +785,7 @@ def int8_lm_head_logits(
     exact_argmax: bool = True,
     config: KernelConfig | None = None,
     rescore_programs_per_row: int | None = None,
+    trace: list | None = None,
 ) -> torch.Tensor:
     """Logits ``x @ weight.T (+ bias)`` of ``x`` [B, K] through the int8 copy, shape [B, V], dtype of x.
 
@@ -746,7 +793,8 @@ def int8_lm_head_logits(
     logits (module docstring); without it the result is the plain int8 approximation.
     ``num_valid_rows``: rows past it (vocab padding) are left out of the bound.
     ``rescore_programs_per_row``: programs per token of the re-scoring kernel (default: from
-    ``RESCORE_PROGRAMS``; for tuning).
+    ``RESCORE_PROGRAMS``; for tuning). ``trace`` (exploration, CUDA only): a list that receives the
+    re-scoring kernel's per-program record, [B, programs per token, TRACE_FIELDS] int64.
     """
     if triton is None:
         raise RuntimeError("int8 lm head needs triton, which is not installed")
@@ -850,6 +898,10 @@ def int8_lm_head_logits(
             )
         rescore_block_k = min(triton.next_power_of_2(hidden), 256 if on_cpu else RESCORE_CHUNK_K)
         launch_options = {"launch_pdl": True} if use_pdl else {}
+        trace_buffer = None
+        if trace is not None:
+            trace_buffer = torch.zeros((num_tokens, programs_per_row, TRACE_FIELDS), dtype=torch.int64, device=x.device)
+            trace.append(trace_buffer)
         _exact_rescore_kernel[(num_tokens, programs_per_row)](
             x,
             weight,
@@ -860,6 +912,7 @@ def int8_lm_head_logits(
             out,
             block_key,
             block_stats,
+            block_key if trace_buffer is None else trace_buffer,
             num_rows,
             valid_rows,
             num_blocks,
@@ -884,6 +937,7 @@ def int8_lm_head_logits(
             BF16_RN_BY_BITS=round_by_bits,
             NUM_KC=triton.cdiv(hidden, rescore_block_k),
             WAIT_PRIMARY=use_pdl,
+            TRACE=trace_buffer is not None,
             num_warps=4 if on_cpu else RESCORE_NUM_WARPS,
             **launch_options,
             **({"maxnreg": RESCORE_MAXNREG} if RESCORE_MAXNREG and not on_cpu else {}),

@@ -295,6 +295,85 @@ def explore_rescore(L, weight, x, log) -> dict:
     return out
 
 
+TRACE_VARIANTS = {
+    "default": {},
+    "slots1": {"RESCORE_SLOTS": 1},
+    "p16": {"RESCORE_MIN_PROGRAMS_PER_ROW": 16, "RESCORE_MAX_PROGRAMS_PER_ROW": 16},
+}
+
+
+def summarize_trace(trace) -> dict:
+    """Where the re-scoring kernel's time goes, from its per-program record (TRACE_FIELDS)."""
+    import torch
+
+    t = trace.reshape(-1, trace.shape[-1]).double().cpu()
+    sm, gt_start, gt_wait, gt_end, c_start, c_wait, c_thr, c_end, blocks, rows = t.unbind(1)
+    ghz = torch.median((c_end - c_start) / (gt_end - gt_start).clamp(min=1)).item()
+    release = gt_wait.min()
+    end_rel = (gt_end - release) / 1e3
+    start_rel = (gt_start - release) / 1e3
+    to_thr = (c_thr - c_wait) / ghz / 1e3
+    after_thr = (c_end - c_thr) / ghz / 1e3
+    wait_after_release = (gt_wait - release) / 1e3
+    last = int(torch.argmax(gt_end))
+
+    def q(v):
+        return [round(torch.quantile(v, f).item(), 2) for f in (0.5, 0.9, 1.0)]
+
+    return {
+        "programs": int(t.shape[0]),
+        "sms_used": int(torch.unique(sm).numel()),
+        "most_programs_on_one_sm": int(torch.bincount(sm.long()).max()),
+        "clock_ghz": round(ghz, 3),
+        "span_after_release_us": round(end_rel.max().item(), 2),
+        "started_after_release_frac": round((start_rel > 0.5).double().mean().item(), 3),
+        "start_after_release_us_p50_p90_max": q(start_rel),
+        "wait_released_after_us_p50_p90_max": q(wait_after_release),
+        "wait_to_threshold_us_p50_p90_max": q(to_thr),
+        "threshold_to_end_us_p50_p90_max": q(after_thr),
+        "end_us_p50_p90_max": q(end_rel),
+        "candidate_blocks_p50_p90_max": q(blocks),
+        "rows_rescored_p50_p90_max": q(rows),
+        "last_program": {
+            "start_us": round(start_rel[last].item(), 2),
+            "wait_released_us": round(wait_after_release[last].item(), 2),
+            "wait_to_threshold_us": round(to_thr[last].item(), 2),
+            "threshold_to_end_us": round(after_thr[last].item(), 2),
+            "blocks": int(blocks[last]),
+            "rows": int(rows[last]),
+        },
+    }
+
+
+def explore_trace(L, weight, x, log) -> dict:
+    """The re-scoring kernel's per-program timestamps (explore12): waves, stages, the last program."""
+    out: dict = {}
+    packed = L.quantize_lm_head_weight(weight, tile=L.weight_tile())
+    for name, consts in TRACE_VARIANTS.items():
+        saved = {k: getattr(L, k) for k in consts}
+        try:
+            for k, v in consts.items():
+                setattr(L, k, v)
+            for b in (1, 4, 8, 16):
+                xb = x[:b].contiguous()
+                for _ in range(3):
+                    L.int8_lm_head_logits(xb, packed, weight)
+                traces: list = []
+                for _ in range(5):
+                    L.int8_lm_head_logits(xb, packed, weight, trace=traces)
+                summaries = [summarize_trace(tr) for tr in traces]
+                best = sorted(summaries, key=lambda r: r["span_after_release_us"])[len(summaries) // 2]
+                out[f"{name}_b{b}"] = {"median_run": best, "spans_us": [r["span_after_release_us"] for r in summaries]}
+                log(f"trace {name} b={b}: {best} spans {[r['span_after_release_us'] for r in summaries]}")
+        except Exception as exc:  # noqa: BLE001
+            out[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            log(f"trace {name} ERROR {out[f'{name}_error']}")
+        finally:
+            for k, v in saved.items():
+                setattr(L, k, v)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", required=True)
@@ -306,6 +385,7 @@ def main() -> int:
         help="time only the exact path: the old module's (--old) against this one's re-scoring variants",
     )
     parser.add_argument("--rescore", action="store_true", help="the re-scoring kernel only (explore10)")
+    parser.add_argument("--trace", action="store_true", help="the re-scoring kernel's timestamps (explore12)")
     args = parser.parse_args()
 
     import torch
@@ -329,6 +409,13 @@ def main() -> int:
     weight = (torch.randn(rows, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     x = torch.randn(64, hidden, device="cuda", generator=gen).to(torch.bfloat16)
     n8 = rows * hidden
+
+    if args.trace:
+        res["trace"] = explore_trace(L, weight, x, log)
+        res["log"] = lines
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+        log(f"done in {time.monotonic() - t_start:.0f} s")
+        return 0
 
     if args.rescore:
         res["rescore"] = explore_rescore(L, weight, x, log)
