@@ -22,6 +22,7 @@ variants (``EXACT_VARIANTS``; logs explore7-9).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -89,6 +90,38 @@ EXACT_VARIANTS = {
 }
 
 
+@contextlib.contextmanager
+def module_constants(L, consts: dict):
+    """Set module constants of sparkfleet.int8_lmhead for a block, then put the old values back."""
+    saved = {k: getattr(L, k) for k in consts}
+    try:
+        for k, v in consts.items():
+            setattr(L, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(L, k, v)
+
+
+def time_exact_variant(L, consts, batches, packed, weight, x, ref, facts=None) -> dict:
+    """Graph time and argmax check of the exact path per batch with ``consts`` set; errors are recorded."""
+    import torch
+
+    rec = {"constants": consts}
+    try:
+        with module_constants(L, consts):
+            for b in batches:
+                xb = x[:b].contiguous()
+                exact = L.int8_lm_head_logits(xb, packed, weight)
+                if facts is not None:
+                    rec[f"b{b}_facts"] = facts()
+                rec[f"b{b}_ok"] = bool(torch.equal(exact.argmax(-1), ref[b]))
+                rec[f"b{b}"] = t_graph(lambda xb=xb: L.int8_lm_head_logits(xb, packed, weight))
+    except Exception as exc:  # noqa: BLE001
+        rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return rec
+
+
 def explore_exact(L, weight, x, old_path, log) -> dict:
     """Old exact path (file at ``old_path``) against this module's, per batch; variants at 1, 4, 16."""
     import torch
@@ -127,21 +160,7 @@ def explore_exact(L, weight, x, old_path, log) -> dict:
             f"{rec['exact'] * 1e3:.1f} us (x{out['bf16'][b] / rec['exact']:.3f}) argmax ok {rec['argmax_ok']}"
         )
     for name, consts in EXACT_VARIANTS.items():
-        saved = {k: getattr(L, k) for k in consts}
-        rec = {"constants": consts}
-        try:
-            for k, v in consts.items():
-                setattr(L, k, v)
-            for b in VARIANT_BATCHES:
-                xb = x[:b].contiguous()
-                exact = L.int8_lm_head_logits(xb, packed, weight)
-                rec[f"b{b}_ok"] = bool(torch.equal(exact.argmax(-1), ref[b]))
-                rec[f"b{b}"] = t_graph(lambda xb=xb: L.int8_lm_head_logits(xb, packed, weight))
-        except Exception as exc:  # noqa: BLE001
-            rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        finally:
-            for k, v in saved.items():
-                setattr(L, k, v)
+        rec = time_exact_variant(L, consts, VARIANT_BATCHES, packed, weight, x, ref)
         out["variants"][name] = rec
         log(
             f"exact variant {name}: "
@@ -263,22 +282,9 @@ def explore_rescore(L, weight, x, log) -> dict:
                 f"most blocks per program {max(cands['max_blocks_per_program'])}"
             )
         for name, consts in RESCORE_VARIANTS.items():
-            saved = {k: getattr(L, k) for k in consts}
-            rec = {"constants": consts}
-            try:
-                for k, v in consts.items():
-                    setattr(L, k, v)
-                for b in RESCORE_BATCHES:
-                    xb = x[:b].contiguous()
-                    exact = L.int8_lm_head_logits(xb, packed, weight)
-                    rec[f"b{b}_facts"] = _compiled_facts(recorder.compiled)
-                    rec[f"b{b}_ok"] = bool(torch.equal(exact.argmax(-1), ref[b]))
-                    rec[f"b{b}"] = t_graph(lambda xb=xb: L.int8_lm_head_logits(xb, packed, weight))
-            except Exception as exc:  # noqa: BLE001
-                rec["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            finally:
-                for k, v in saved.items():
-                    setattr(L, k, v)
+            rec = time_exact_variant(
+                L, consts, RESCORE_BATCHES, packed, weight, x, ref, facts=lambda: _compiled_facts(recorder.compiled)
+            )
             out["variants"][name] = rec
             log(
                 f"rescore variant {name}: "
@@ -350,27 +356,23 @@ def explore_trace(L, weight, x, log) -> dict:
     out: dict = {}
     packed = L.quantize_lm_head_weight(weight, tile=L.weight_tile())
     for name, consts in TRACE_VARIANTS.items():
-        saved = {k: getattr(L, k) for k in consts}
         try:
-            for k, v in consts.items():
-                setattr(L, k, v)
-            for b in (1, 4, 8, 16):
-                xb = x[:b].contiguous()
-                for _ in range(3):
-                    L.int8_lm_head_logits(xb, packed, weight)
-                traces: list = []
-                for _ in range(5):
-                    L.int8_lm_head_logits(xb, packed, weight, trace=traces)
-                summaries = [summarize_trace(tr) for tr in traces]
-                best = sorted(summaries, key=lambda r: r["span_after_release_us"])[len(summaries) // 2]
-                out[f"{name}_b{b}"] = {"median_run": best, "spans_us": [r["span_after_release_us"] for r in summaries]}
-                log(f"trace {name} b={b}: {best} spans {[r['span_after_release_us'] for r in summaries]}")
+            with module_constants(L, consts):
+                for b in (1, 4, 8, 16):
+                    xb = x[:b].contiguous()
+                    for _ in range(3):
+                        L.int8_lm_head_logits(xb, packed, weight)
+                    traces: list = []
+                    for _ in range(5):
+                        L.int8_lm_head_logits(xb, packed, weight, trace=traces)
+                    summaries = [summarize_trace(tr) for tr in traces]
+                    spans = [r["span_after_release_us"] for r in summaries]
+                    best = sorted(summaries, key=lambda r: r["span_after_release_us"])[len(summaries) // 2]
+                    out[f"{name}_b{b}"] = {"median_run": best, "spans_us": spans}
+                    log(f"trace {name} b={b}: {best} spans {spans}")
         except Exception as exc:  # noqa: BLE001
             out[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             log(f"trace {name} ERROR {out[f'{name}_error']}")
-        finally:
-            for k, v in saved.items():
-                setattr(L, k, v)
     return out
 
 
