@@ -52,6 +52,16 @@ def sparkfleet_profile_errors(resolved: dict[str, Any], refused: list[dict[str, 
     return _profiles.errors(resolved, refused)
 
 
+def sparkfleet_model_cache_entries(resolved: dict[str, Any], models: dict[str, Any]) -> list[dict[str, Any]]:
+    """``profile | sparkfleet_model_cache_entries(sparkfleet_models)``: model_cache_models for the profile."""
+    return _profiles.model_cache_entries(resolved, models)
+
+
+def sparkfleet_model_errors(resolved: dict[str, Any], models: dict[str, Any]) -> list[str]:
+    """One message per model of the profile that is missing or not pinned to a full commit."""
+    return _profiles.model_errors(resolved, models)
+
+
 def sparkfleet_serve_argv(serve_args: dict[str, Any]) -> list[str]:
     """``serve_args | sparkfleet_serve_argv``: the `vllm serve` flags as an argv list."""
     if not isinstance(serve_args, dict):
@@ -77,6 +87,8 @@ class FilterModule:
             "sparkfleet_profile": sparkfleet_profile,
             "sparkfleet_profile_names": sparkfleet_profile_names,
             "sparkfleet_profile_errors": sparkfleet_profile_errors,
+            "sparkfleet_model_cache_entries": sparkfleet_model_cache_entries,
+            "sparkfleet_model_errors": sparkfleet_model_errors,
             "sparkfleet_serve_argv": sparkfleet_serve_argv,
             "sparkfleet_speculative_config": sparkfleet_speculative_config,
             "sparkfleet_systemd_args": sparkfleet_systemd_args,

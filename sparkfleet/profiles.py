@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -129,6 +130,77 @@ def errors(resolved: Mapping[str, Any], refused: list[Mapping[str, Any]] | None)
     return found
 
 
+# Keys of a sparkfleet_models entry that the model_cache role takes (the others, e.g. size_gib, are
+# the preflight's); a hub revision or a build input must be a full commit.
+MODEL_CACHE_KEYS = ("path", "repo", "revision", "allow_patterns", "build", "base", "donor", "error_report")
+FULL_REVISION = re.compile(r"[0-9a-f]{40}")
+PIN_HINT = (
+    "pin it in your inventory (sparkfleet_models.{name}.revision: the full 40-hex commit; a branch, tag or "
+    "short sha can move)"
+)
+
+
+def profile_models(resolved: Mapping[str, Any]) -> list[str]:
+    """The sparkfleet_models keys a resolved profile serves: its target, then its drafter if any."""
+    return [key for key in (resolved.get("target"), resolved.get("drafter")) if key]
+
+
+def model_cache_entries(resolved: Mapping[str, Any], models: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The profile's models as the model_cache role takes them ({name, path} / {name, repo, revision, ...}
+    / {name, build, base, donor}); models missing from ``models`` are left out (model_errors names them)."""
+    entries = []
+    for key in profile_models(resolved):
+        entry = models.get(key)
+        if not isinstance(entry, Mapping):
+            continue
+        entries.append({"name": key, **{k: plain(entry[k]) for k in MODEL_CACHE_KEYS if k in entry}})
+    return entries
+
+
+def _revision_error(name: str, what: str, revision: Any) -> str | None:
+    if isinstance(revision, str) and FULL_REVISION.fullmatch(revision):
+        return None
+    return f"model {name!r}: {what} revision {revision if revision else '(empty)'!r} is not a full 40-hex commit: " + (
+        PIN_HINT.format(name=name)
+    )
+
+
+def model_errors(resolved: Mapping[str, Any], models: Mapping[str, Any]) -> list[str]:
+    """One message per model of the profile that cannot be fetched as pinned (empty when all are)."""
+    found: list[str] = []
+    profile = resolved.get("name", "?")
+    for key in profile_models(resolved):
+        entry = models.get(key)
+        if not isinstance(entry, Mapping):
+            found.append(
+                f"profile {profile!r} serves model {key!r}, which is not in sparkfleet_models: add it there "
+                "(path, or repo and revision, or build)"
+            )
+            continue
+        kinds = [kind for kind in ("path", "repo", "build") if kind in entry]
+        if len(kinds) != 1:
+            found.append(
+                f"model {key!r}: give exactly one of path (a local directory), repo and revision (a hub repo) or "
+                f"build (a checkpoint built on the seed), not {kinds or 'none'}"
+            )
+        elif kinds == ["repo"]:
+            error = _revision_error(key, str(entry["repo"]), entry.get("revision"))
+            if error:
+                found.append(error)
+        elif kinds == ["build"]:
+            for part in ("base", "donor"):
+                spec = entry.get(part)
+                if spec is None and part == "donor":
+                    continue
+                if not isinstance(spec, Mapping) or "repo" not in spec:
+                    found.append(f"model {key!r}: build needs {part}: {{repo, revision}}")
+                    continue
+                error = _revision_error(key, f"{part} {spec['repo']}", spec.get("revision"))
+                if error:
+                    found.append(error.replace(f"{key}.revision", f"{key}.{part}.revision"))
+    return found
+
+
 def serve_argv(serve_args: Mapping[str, Any]) -> list[str]:
     """Render serve arguments into argv: True → --flag, False → --no-flag, else --flag value."""
     argv: list[str] = []
@@ -224,7 +296,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     except ProfileError as exc:
         print(f"sparkfleet: {exc}", file=sys.stderr)
         return 2
-    problems = errors(resolved, gv.get("sparkfleet_refused_serve_args"))
+    problems = errors(resolved, gv.get("sparkfleet_refused_serve_args")) + model_errors(
+        resolved, gv.get("sparkfleet_models") or {}
+    )
     for line in problems:
         print(f"sparkfleet: {line}", file=sys.stderr)
     if problems:

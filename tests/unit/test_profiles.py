@@ -137,7 +137,7 @@ def test_profile_check_cli_refuses_unknown_profile_in_one_line(tmp_path: Path) -
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "turbo" in lines[0] and "dflash" in lines[0] and "dense" in lines[0]
     ok = subprocess.run(
-        [sys.executable, "-m", "sparkfleet", "profile", "check", "dense", "--inventory", "inventory/example"],
+        [sys.executable, "-m", "sparkfleet", "profile", "check", "dense", "--inventory", "inventory/sandbox"],
         cwd=ROOT,
         capture_output=True,
         text=True,

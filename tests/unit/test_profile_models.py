@@ -1,0 +1,177 @@
+"""A profile's weights: what the model_cache role is handed, and the pins checked before anything changes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sparkfleet import profiles
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = yaml.safe_load((ROOT / "inventory/group_vars/all/profiles.yml").read_text())
+MODELS = SHARED["sparkfleet_models"]
+DRAFTER_PIN = "6c7242c934a9870d7c59c05240bdbb2467cc1394"
+PIN = "0123456789abcdef0123456789abcdef01234567"
+ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
+
+
+def resolve(name: str) -> dict:
+    return profiles.resolve(
+        profiles.all_profiles(SHARED["sparkfleet_profiles_builtin"], None),
+        name,
+        SHARED["sparkfleet_serve_args_common"],
+        SHARED["sparkfleet_env_common"],
+    )
+
+
+def pinned_models() -> dict:
+    return {key: dict(entry, revision=entry["revision"] or PIN) for key, entry in MODELS.items()}
+
+
+def test_hub_entries_reach_model_cache_with_repo_and_revision() -> None:
+    entries = profiles.model_cache_entries(resolve("dense"), pinned_models())
+    assert entries == [
+        {"name": "hybrid-int4-fp8", "repo": MODELS["hybrid-int4-fp8"]["repo"], "revision": PIN},
+        {"name": "dflash-drafter", "repo": MODELS["dflash-drafter"]["repo"], "revision": DRAFTER_PIN},
+    ]
+    # size_gib is the preflight's, not a model_cache option (its argument spec would refuse it)
+    assert all("size_gib" not in entry for entry in entries)
+    assert [e["name"] for e in profiles.model_cache_entries(resolve("base"), pinned_models())] == ["intel-int4"]
+
+
+def test_build_and_local_entries_pass_through() -> None:
+    models = {
+        "hybrid-int4-fp8": {
+            "build": "hybrid-fp8",
+            "base": {"repo": "Intel/Qwen3.5-122B-A10B-int4-AutoRound", "revision": PIN},
+            "donor": {"repo": "Qwen/Qwen3.5-122B-A10B-FP8", "revision": PIN},
+            "size_gib": 67,
+        },
+        "dflash-drafter": {"path": "/srv/models/drafter", "size_gib": 1.6},
+    }
+    entries = profiles.model_cache_entries(resolve("dense"), models)
+    assert entries[0] == {
+        "name": "hybrid-int4-fp8",
+        **{k: v for k, v in models["hybrid-int4-fp8"].items() if k != "size_gib"},
+    }
+    assert entries[1] == {"name": "dflash-drafter", "path": "/srv/models/drafter"}
+    assert profiles.model_errors(resolve("dense"), models) == []
+
+
+@pytest.mark.parametrize(
+    ("revision", "shown"),
+    [("", "'(empty)'"), ("main", "'main'"), ("6c7242c", "'6c7242c'"), (PIN.upper(), repr(PIN.upper()))],
+)
+def test_a_revision_that_can_move_is_refused_with_the_fix(revision: str, shown: str) -> None:
+    models = pinned_models()
+    models["hybrid-int4-fp8"]["revision"] = revision
+    (error,) = profiles.model_errors(resolve("dense"), models)
+    assert error.startswith("model 'hybrid-int4-fp8': bleysg/Qwen3.5-122B-A10B-int4-fp8-hybrid revision " + shown)
+    assert "sparkfleet_models.hybrid-int4-fp8.revision: the full 40-hex commit" in error
+
+
+def test_missing_ambiguous_and_unpinned_build_models_are_named() -> None:
+    dense = resolve("dense")
+    models = pinned_models()
+    del models["dflash-drafter"]
+    assert profiles.model_errors(dense, models) == [
+        "profile 'dense' serves model 'dflash-drafter', which is not in sparkfleet_models: add it there "
+        "(path, or repo and revision, or build)"
+    ]
+    models = pinned_models()
+    models["dflash-drafter"]["path"] = "/srv/drafter"
+    (error,) = profiles.model_errors(dense, models)
+    assert "model 'dflash-drafter': give exactly one of path" in error and "['path', 'repo']" in error
+    models = pinned_models()
+    models["hybrid-int4-fp8"] = {"build": "hybrid-fp8", "base": {"repo": "Intel/x", "revision": "main"}}
+    (error,) = profiles.model_errors(dense, models)
+    assert "base Intel/x revision 'main'" in error and "sparkfleet_models.hybrid-int4-fp8.base.revision" in error
+
+
+def test_profile_check_cli_refuses_unpinned_weights_one_line_each(tmp_path: Path) -> None:
+    def check(inventory: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "sparkfleet", "profile", "check", "dense", "--inventory", str(inventory)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+
+    refused = check(ROOT / "inventory/example")
+    assert refused.returncode == 2
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "'hybrid-int4-fp8'" in lines[0] and "full 40-hex commit" in lines[0]
+    inventory = site_inventory(tmp_path, {"sparkfleet_models": pinned_models()})
+    accepted = check(inventory)
+    assert accepted.returncode == 0, accepted.stderr
+
+
+def site_inventory(tmp_path: Path, site: dict) -> Path:
+    """An inventory of this machine (local connection) with the shared group_vars and ``site`` over them."""
+    inventory = tmp_path / "inventory"
+    group_vars = inventory / "group_vars" / "all"
+    group_vars.mkdir(parents=True)
+    for name in ("profiles.yml", "sparkfleet.yml"):
+        (group_vars / f"00-{name}").symlink_to(ROOT / "inventory/group_vars/all" / name)
+    (group_vars / "50-site.yml").write_text(yaml.safe_dump(site))
+    hosts = {
+        "all": {"hosts": {"spark-x": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}
+    }
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    return inventory
+
+
+def run_resolve(tmp_path: Path, site: dict) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run the deploy playbooks' resolve-profile.yml on this machine; the model_cache list lands in a file."""
+    inventory = site_inventory(tmp_path, site)
+    out = tmp_path / "model_cache_models.json"
+    play = [
+        {
+            "hosts": "all",
+            "gather_facts": False,
+            "tasks": [
+                {"ansible.builtin.import_tasks": str(ROOT / "playbooks/tasks/resolve-profile.yml")},
+                {
+                    "name": "Keep what model_cache gets",
+                    "ansible.builtin.copy": {
+                        "content": "{{ __deploy_model_cache_models | to_json }}",
+                        "dest": str(out),
+                    },
+                },
+            ],
+        }
+    ]
+    (tmp_path / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    proc = subprocess.run(
+        [str(ANSIBLE_PLAYBOOK), "-i", str(inventory / "hosts.yml"), str(tmp_path / "play.yml")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    return proc, out
+
+
+@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+def test_deploy_refuses_unpinned_weights_before_any_change_and_hands_pins_to_model_cache(tmp_path: Path) -> None:
+    refused, out = run_resolve(tmp_path / "unpinned", {"sparkfleet_profile": "dense"})
+    assert refused.returncode != 0
+    assert "Refuse this host's profile if it breaks the model or its weights are not pinned" in refused.stdout
+    assert "model 'hybrid-int4-fp8': bleysg/Qwen3.5-122B-A10B-int4-fp8-hybrid revision '(empty)'" in refused.stdout
+    assert not out.exists(), "nothing after the refusal may run"
+
+    accepted, out = run_resolve(
+        tmp_path / "pinned", {"sparkfleet_profile": "dense", "sparkfleet_models": pinned_models()}
+    )
+    assert accepted.returncode == 0, accepted.stdout + accepted.stderr
+    assert json.loads(out.read_text()) == profiles.model_cache_entries(resolve("dense"), pinned_models())
