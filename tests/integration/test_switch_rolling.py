@@ -92,6 +92,9 @@ def test_failed_switch_rolls_back_and_says_so(converged_fleet, sandbox_fleet, in
     # the host serves its old profile again, from its old unit and wheel
     assert active(sandbox_fleet, host, DFLASH) == "active"
     assert active(sandbox_fleet, host, BASE) != "active"
+    # and only the old profile starts at boot (the failed one was enabled before it failed)
+    assert enabled(sandbox_fleet, host, DFLASH) == "enabled"
+    assert enabled(sandbox_fleet, host, BASE) == "disabled"
     after = state(sandbox_fleet, host)
     assert {k: after[k] for k in ("profile", "vllm_version", "venv", "patchset_id")} == {
         k: before[k] for k in ("profile", "vllm_version", "venv", "patchset_id")
