@@ -11,7 +11,7 @@ import shlex
 
 import pytest
 
-from tests.integration.conftest import run_playbook
+from tests.integration.conftest import ROOT, run_playbook
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -82,6 +82,16 @@ def test_second_run_changes_nothing(deployed, sandbox_hosts) -> None:
     again = run_playbook("site.yml", "-e", "sparkfleet_profile=dflash")
     assert again.returncode == 0, again.output[-4000:]
     assert {h: again.recap[h]["changed"] for h in sandbox_hosts} == dict.fromkeys(sandbox_hosts, 0)
+    # the weights step ends with one line per host: its models, files, bytes, verified
+    models = ROOT / "build" / "models"
+    files = [f for name in ("tiny-qwen3", "tiny-qwen3-dflash") for f in (models / name).rglob("*") if f.is_file()]
+    expected = f"2 local models, {len(files)} files, "
+    for host in sandbox_hosts:
+        assert any(
+            f"model_cache {host}: {expected}" in line
+            and f"({sum(f.stat().st_size for f in files)} bytes), already in place, verified=yes" in line
+            for line in again.output.splitlines()
+        ), f"no weights summary for {host}"
 
 
 def test_check_mode_on_a_converged_fleet_reports_nothing(deployed, sandbox_hosts) -> None:

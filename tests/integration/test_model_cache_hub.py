@@ -3,7 +3,9 @@
 One seed per fleet: three hosts get two pinned repos and the hub serves their bytes once. A second
 run repairs a corrupted file on one host and a truncated one on another from the seed (the hub is
 not asked again) and changes nothing on the untouched host. A branch name is refused before any
-request. Only model-cache paths under /var/lib/sparkfleet-test are touched; no service is.
+request. A gated repo is fetched with the token from an inventory variable (Ansible Vault) or the
+controller's HF_TOKEN, and the token shows up in no output (-vvv) and no file on the seed or host.
+Only model-cache paths under /var/lib/sparkfleet-test are touched; no service is.
 """
 
 from __future__ import annotations
@@ -115,3 +117,47 @@ def test_a_branch_is_refused_before_any_request(fleet, hub: HubDouble, tmp_path:
     assert "e.g. revision: 6c7242c934a9870d7c59c05240bdbb2467cc1394" in run.output
     assert hub.log == []
     assert fleet.ssh("spark-01", f"test -e {CACHE_DIR}/branchy").returncode != 0
+
+
+def test_a_gated_repo_takes_the_token_from_vault_or_env_and_never_shows_it(
+    fleet,
+    hub: HubDouble,
+    tmp_path: Path,  # noqa: ANN001
+) -> None:
+    secret = "hf_sparkfleetFleetToken0123456789abc"
+    rev = hub.add_revision("org/gated", MODELS / "tiny-qwen3-dflash")
+    hub.gate("org/gated", secret)
+    host = HOSTS[0]
+    model = {"name": "gated", "repo": "org/gated", "revision": rev}
+    no_env_token = {"HF_TOKEN": "", "HUGGING_FACE_HUB_TOKEN": ""}
+    tokens_before = set(Path("/tmp").glob("*.hf-token"))
+
+    # no token: the hub refuses, the run names the repo and fails before any copy
+    refused = run_playbook(*write_run(tmp_path / "none", hub, [model], test_hosts=host), env=no_env_token)
+    assert refused.returncode != 0
+    assert "org/gated" in refused.output and "refused the file list" in refused.output
+    assert fleet.ssh(host, f"test -e {CACHE_DIR}/gated").returncode != 0
+
+    # the token as Ansible Vault gives it (an inventory variable), at -vvv: served, never printed
+    run_dir = tmp_path / "vault"
+    vault = run_playbook(
+        *write_run(run_dir, hub, [model], test_hosts=host, model_cache_hub_token=secret), "-vvv", env=no_env_token
+    )
+    assert vault.returncode == 0, vault.output[-4000:]
+    assert secret not in vault.output
+    gated_gets = [s for s in hub.log if s.repo == "org/gated" and s.status == 200]
+    assert gated_gets and all(s.authorized for s in gated_gets)
+    # nowhere on disk but the inventory's own variables: not in the seed, not on the host
+    leaked = [p for p in (run_dir / "seed").rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+    assert leaked == []
+    grep = fleet.ssh(host, f"grep -rl {shlex.quote(secret)} /var/lib/sparkfleet-test /etc /tmp /var/tmp || true")
+    assert grep.stdout.strip() == ""
+    assert set(Path("/tmp").glob("*.hf-token")) == tokens_before, "the private token file was left behind"
+
+    # the controller's HF_TOKEN, with no variable set: a fresh seed (and host) fetches with it
+    assert fleet.ssh(host, f"rm -rf {CACHE_DIR}/gated {CACHE_DIR}/.hub/gated").returncode == 0
+    hub.reset_log()
+    env_run = run_playbook(*write_run(tmp_path / "env", hub, [model], test_hosts=host), env={"HF_TOKEN": secret})
+    assert env_run.returncode == 0, env_run.output[-4000:]
+    assert secret not in env_run.output
+    assert hub.log and all(s.authorized for s in hub.log if s.repo == "org/gated")
