@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from tests.integration.conftest import ROOT, run_playbook
+from tests.integration.test_fleet_ops import ops
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -158,6 +159,18 @@ def test_rolling_stops_at_the_failing_host(
     assert untouched not in roll.recap or roll.recap[untouched]["changed"] == 0
     assert main_pid(sandbox_fleet, untouched, DFLASH) == pids_before[untouched]
     assert "--max-num-seqs 2" in sandbox_fleet.ssh(untouched, f"systemctl cat {DFLASH}").stdout
+    # ops status sees the mixed fleet as each host records it: all three serving, healthy
+    status = ops("status", "-i", "inventory/sandbox", "--json")
+    rows = {entry["host"]: entry for entry in json.loads(status.stdout)}
+    assert status.returncode == 0, status.stdout + status.stderr
+    for host in (first, failing, untouched):
+        row, recorded = rows[host]["row"], state(sandbox_fleet, host)
+        assert rows[host]["ok"], rows[host]
+        assert (row["profile"], row["unit"], row["health"]) == ("dflash", "active/running", "ok")
+        assert row["patch_set"] == recorded["patchset_id"]
+        for column, path_key in (("model", "model_path"), ("drafter", "drafter_path")):
+            name = Path(recorded[path_key]).name
+            assert row[column] == f"{name}@{recorded['model_revisions'][name][:12]}", (column, row, recorded)
 
     # put the fleet back as the deploy left it (the failing host is back on it already)
     restore = run_playbook("site.yml", "--limit", first, "-e", "sparkfleet_profile=dflash")
