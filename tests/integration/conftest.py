@@ -52,6 +52,23 @@ def run_playbook(*args: str, env: dict[str, str] | None = None, timeout: int = 1
     return PlaybookRun(proc.returncode, output, recap)
 
 
+def run_make(*args: str, timeout: int = 1800) -> PlaybookRun:
+    """``make ARGS`` from the repo root, as an operator types it (the Makefile's own inventory and venv)."""
+    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"}
+    proc = subprocess.run(
+        ["make", "--no-print-directory", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
+        check=False,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    print(f"$ make {' '.join(args)}\n{output[-6000:]}")
+    recap = {}
+    for line in output.splitlines():
+        m = RECAP.match(line.strip())
+        if m:
+            recap[m["host"]] = {k: int(v) for k, v in m.groupdict().items() if k != "host"}
+    return PlaybookRun(proc.returncode, output, recap)
+
+
 @pytest.fixture(scope="session")
 def sandbox_hosts(sandbox_fleet) -> list[str]:  # noqa: F811 - the fixture imported above
     return sandbox_fleet.names

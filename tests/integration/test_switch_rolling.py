@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.conftest import ROOT, run_playbook
+from tests.integration.conftest import ROOT, run_make, run_playbook
 from tests.integration.test_fleet_ops import ops
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -73,6 +73,13 @@ def test_switch_to_dense_and_back(converged_fleet, sandbox_fleet) -> None:
     env = sandbox_fleet.ssh(host, f"systemctl show -p Environment --value {DENSE}").stdout
     assert "VLLM_SPARKFLEET_INT8_LMHEAD=1" in env
     assert "health=ok" in to_dense.output
+    # converged on dense: the operator's `make switch` again changes nothing, `make drift` sees nothing
+    again = run_make("switch", "PROFILE=dense", f"LIMIT={host}")
+    assert again.returncode == 0, again.output[-4000:]
+    assert again.changed() == {host: 0}
+    drift = run_make("drift", "PROFILE=dense", f"LIMIT={host}")
+    assert drift.returncode == 0, drift.output[-4000:]
+    assert any(line.split()[:3] == [host, "in", "sync"] for line in drift.output.splitlines()), drift.output[-3000:]
 
     back = run_playbook("playbooks/switch.yml", "--limit", host, "-e", "sparkfleet_profile=dflash")
     assert back.returncode == 0, back.output[-4000:]
