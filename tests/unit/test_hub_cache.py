@@ -220,7 +220,12 @@ def test_the_pin_ignores_the_drafters_upstream_change(hub: HubDouble, repos: dic
     assert kv_page_plan.load_config(Path(report.snapshot)) == pinned
 
 
-def test_a_gated_repo_needs_the_token_and_never_prints_it(hub: HubDouble, repos: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["token-file", "HF_TOKEN"])
+def test_a_gated_repo_needs_the_token_and_never_prints_it(
+    hub: HubDouble, repos: dict, tmp_path: Path, source: str
+) -> None:
+    """The token from a private file (what model_cache writes from an inventory/Vault variable) or from
+    the controller's HF_TOKEN (no variable set)."""
     secret = "hf_sparkfleetTestToken0123456789"
     hub.gate(TARGET, secret)
     with pytest.raises(HubCacheError, match="refused the file list"):
@@ -230,8 +235,12 @@ def test_a_gated_repo_needs_the_token_and_never_prints_it(hub: HubDouble, repos:
     token_file.write_text(secret + "\n")
     token_file.chmod(0o600)
     seed = tmp_path / "seed"
-    common = ["--seed-dir", str(seed), "--endpoint", hub.endpoint, "--token-file", str(token_file), "--json"]
+    common = ["--seed-dir", str(seed), "--endpoint", hub.endpoint, "--json"]
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HF_HUB_OFFLINE")}
+    if source == "token-file":
+        common += ["--token-file", str(token_file)]
+    else:
+        env["HF_TOKEN"] = secret
     described = subprocess.run(
         [sys.executable, "-m", "sparkfleet.hub_cache", "describe", "--repo", TARGET, "--revision", repos["target"],
          *common],
