@@ -15,6 +15,7 @@ the snapshot does see those changes.
 from __future__ import annotations
 
 import base64
+import contextlib
 import gzip
 import hashlib
 import io
@@ -380,6 +381,9 @@ def build_signed_repo(root: Path, subdir: str) -> str:
     _run([*gpg, "--armor", "--detach-sign", "--output", str(repo / "Release.gpg"), str(repo / "Release")], env=env)
     key = _run([*gpg, "--armor", "--export"], env=env).stdout
     (repo / "testrepo.pub").write_bytes(key)
+    # gpg started an agent for this throwaway home; it would outlive the test
+    with contextlib.suppress(FileNotFoundError):
+        subprocess.run(["gpgconf", "--kill", "gpg-agent"], env=env, capture_output=True, check=False)
     return hashlib.sha256(key).hexdigest()
 
 
