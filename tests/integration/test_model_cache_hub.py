@@ -132,6 +132,8 @@ def test_a_gated_repo_takes_the_token_from_the_inventory_and_never_shows_it(
     model = {"name": "gated", "repo": "org/gated", "revision": rev}
     no_env_token = {"HF_TOKEN": "", "HUGGING_FACE_HUB_TOKEN": ""}
     tokens_before = set(Path("/tmp").glob("*.hf-token"))
+    for run in ("none", "vault"):
+        (tmp_path / run).mkdir()
 
     # no token: the hub refuses, the run names the repo and fails before any copy
     refused = run_playbook(*write_run(tmp_path / "none", hub, [model], test_hosts=host), env=no_env_token)
