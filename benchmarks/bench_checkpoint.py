@@ -255,12 +255,14 @@ def measure(work: Path, layers: int, shard_gb: float) -> dict[str, Any]:
 
 def render(result: dict[str, Any]) -> str:
     gb = 1e9
+    busy = result["machine"]["load_avg_1m"] > result["machine"]["cpus"]
+    shared = ": more runnable work than CPUs, other work shared the machine" if busy else ""
     lines = [
         DOC_BEGIN,
         "Measured by `benchmarks/bench_checkpoint.py "
         f"--layers {result['layers']} --shard-gb {result['shard_gb_target']}` "
         f"on {result['machine']['cpus']} CPUs (1-minute load average {result['machine']['load_avg_1m']:.1f} at the "
-        f"end: the machine is shared): a synthetic base of {result['base_shards']} shards, "
+        f"end{shared}): a synthetic base of {result['base_shards']} shards, "
         f"{result['base_bytes'] / gb:.2f} GB (largest shard {result['largest_shard_bytes'] / gb:.2f} GB), "
         f"{result['fp8_modules']} shared-expert modules made FP8, output {result['output_bytes'] / gb:.2f} GB.",
         "",
@@ -283,15 +285,37 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def write_out(result: dict[str, Any], json_path: Path | None, doc_path: Path | None) -> int:
+    """Print the rendered block; save the JSON; replace the doc's generated block. 2 when the doc lacks it."""
+    text = render(result)
+    print(text)
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=2) + "\n")
+    if doc_path:
+        doc = doc_path.read_text()
+        if DOC_BEGIN not in doc or DOC_END not in doc:
+            print(f"error: {doc_path} lacks the {DOC_BEGIN} ... {DOC_END} block", file=sys.stderr)
+            return 2
+        head, rest = doc.split(DOC_BEGIN, 1)
+        doc_path.write_text(head + text + rest.split(DOC_END, 1)[1])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", type=Path, required=True, help="scratch directory (needs ~3x the base size)")
+    parser.add_argument("--work", type=Path, help="scratch directory (needs ~3x the base size)")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--shard-gb", type=float, default=1.5)
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--update-doc", type=Path, help="replace the generated block of this markdown file")
     parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoints")
+    parser.add_argument("--render", type=Path, metavar="JSON", help="render a saved --json result (no run)")
     args = parser.parse_args(argv)
+    if args.render:
+        return write_out(json.loads(args.render.read_text()), None, args.update_doc)
+    if args.work is None:
+        print("error: --work is required: a scratch directory with ~3x the base size free", file=sys.stderr)
+        return 2
     if args.layers < 1 or not 0.1 <= args.shard_gb <= 20:
         print(
             f"error: --layers {args.layers} / --shard-gb {args.shard_gb}: use >= 1 layer and 0.1-20 GB", file=sys.stderr
@@ -314,17 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    text = render(result)
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if args.update_doc:
-        doc = args.update_doc.read_text()
-        if DOC_BEGIN not in doc or DOC_END not in doc:
-            print(f"error: {args.update_doc} lacks the {DOC_BEGIN} ... {DOC_END} block", file=sys.stderr)
-            return 2
-        head, rest = doc.split(DOC_BEGIN, 1)
-        args.update_doc.write_text(head + text + rest.split(DOC_END, 1)[1])
+    if write_out(result, args.json, args.update_doc):
+        return 2
     fastest = max(
         ((name, run) for name, run in result["runs"].items() if run.get("mb_per_s")),
         key=lambda item: item[1]["mb_per_s"],
