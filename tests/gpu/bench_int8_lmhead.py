@@ -47,6 +47,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import platform
 import sys
 import time
@@ -420,7 +421,8 @@ def main_bench(args) -> int:
     exactness = check_exactness(weight, x, packed, configs, log)
     bench = run_bench(weight, x, packed, configs, log)
     result = {
-        "command": " ".join(["python", *sys.argv]),
+        # the device's output folder as $OUT: no machine's absolute path in the recorded command
+        "command": " ".join(["python", *sys.argv]).replace(os.environ.get("OUT") or "\0", "$OUT"),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
