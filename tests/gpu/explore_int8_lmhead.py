@@ -406,6 +406,13 @@ def main() -> int:
     def left() -> float:
         return args.budget_s - (time.monotonic() - t_start)
 
+    def finish() -> int:
+        """Write the results and the log to --json."""
+        res["log"] = lines
+        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
+        log(f"done in {time.monotonic() - t_start:.0f} s")
+        return 0
+
     rows, hidden = 248_320, 3_072
     gen = torch.Generator(device="cuda").manual_seed(0)
     weight = (torch.randn(rows, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
@@ -414,26 +421,17 @@ def main() -> int:
 
     if args.trace:
         res["trace"] = explore_trace(L, weight, x, log)
-        res["log"] = lines
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
-        log(f"done in {time.monotonic() - t_start:.0f} s")
-        return 0
+        return finish()
 
     if args.rescore:
         res["rescore"] = explore_rescore(L, weight, x, log)
         if args.old:
             res["exact_variants"] = explore_exact(L, weight, x, args.old, log)
-        res["log"] = lines
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
-        log(f"done in {time.monotonic() - t_start:.0f} s")
-        return 0
+        return finish()
 
     if args.exact_only:
         res["exact_variants"] = explore_exact(L, weight, x, args.old, log)
-        res["log"] = lines
-        Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
-        log(f"done in {time.monotonic() - t_start:.0f} s")
-        return 0
+        return finish()
 
     # References.
     src = torch.randint(-127, 127, (n8,), dtype=torch.int8, device="cuda")
@@ -569,10 +567,7 @@ def main() -> int:
         }
         res["exact"][b] = rec
         log(f"exact path b={b}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rec.items()))
-    res["log"] = lines
-    Path(args.json).write_text(json.dumps(res, indent=1, default=str) + "\n")
-    log(f"done in {time.monotonic() - t_start:.0f} s")
-    return 0
+    return finish()
 
 
 if __name__ == "__main__":

@@ -31,17 +31,9 @@ class PlaybookRun:
         return {host: r["changed"] for host, r in self.recap.items()}
 
 
-def run_playbook(*args: str, env: dict[str, str] | None = None, timeout: int = 1800) -> PlaybookRun:
-    """ansible-playbook from the repo root with the sandbox inventory; output is echoed for the log."""
-    cmd = [str(ANSIBLE_PLAYBOOK), "-i", "inventory/sandbox", *args]
-    full_env = {
-        **os.environ,
-        "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
-        "ANSIBLE_NOCOLOR": "1",
-        "ANSIBLE_FORCE_COLOR": "0",
-        **(env or {}),
-    }
-    proc = subprocess.run(cmd, cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
+def _run_recorded(cmd: list[str], env: dict[str, str], timeout: int) -> PlaybookRun:
+    """Run cmd from the repo root, echo its output for the log, and read the play recap out of it."""
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     output = proc.stdout + proc.stderr
     print(f"$ {' '.join(cmd)}\n{output[-6000:]}")
     recap = {}
@@ -52,21 +44,22 @@ def run_playbook(*args: str, env: dict[str, str] | None = None, timeout: int = 1
     return PlaybookRun(proc.returncode, output, recap)
 
 
+def run_playbook(*args: str, env: dict[str, str] | None = None, timeout: int = 1800) -> PlaybookRun:
+    """ansible-playbook from the repo root with the sandbox inventory; output is echoed for the log."""
+    full_env = {
+        **os.environ,
+        "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_FORCE_COLOR": "0",
+        **(env or {}),
+    }
+    return _run_recorded([str(ANSIBLE_PLAYBOOK), "-i", "inventory/sandbox", *args], full_env, timeout)
+
+
 def run_make(*args: str, timeout: int = 1800) -> PlaybookRun:
     """``make ARGS`` from the repo root, as an operator types it (the Makefile's own inventory and venv)."""
     env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_FORCE_COLOR": "0"}
-    proc = subprocess.run(
-        ["make", "--no-print-directory", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-        check=False,
-    )  # fmt: skip
-    output = proc.stdout + proc.stderr
-    print(f"$ make {' '.join(args)}\n{output[-6000:]}")
-    recap = {}
-    for line in output.splitlines():
-        m = RECAP.match(line.strip())
-        if m:
-            recap[m["host"]] = {k: int(v) for k, v in m.groupdict().items() if k != "host"}
-    return PlaybookRun(proc.returncode, output, recap)
+    return _run_recorded(["make", "--no-print-directory", *args], env, timeout)
 
 
 @pytest.fixture(scope="session")
