@@ -135,7 +135,7 @@ def errors(resolved: Mapping[str, Any], refused: list[Mapping[str, Any]] | None)
 MODEL_CACHE_KEYS = ("path", "repo", "revision", "allow_patterns", "build", "base", "donor", "error_report")
 FULL_REVISION = re.compile(r"[0-9a-f]{40}")
 PIN_HINT = (
-    "pin it in your inventory (sparkfleet_models.{name}.revision: the full 40-hex commit; a branch, tag or "
+    "pin it in your inventory (sparkfleet_models.{key}.revision: the full 40-hex commit; a branch, tag or "
     "short sha can move)"
 )
 
@@ -157,11 +157,12 @@ def model_cache_entries(resolved: Mapping[str, Any], models: Mapping[str, Any]) 
     return entries
 
 
-def _revision_error(name: str, what: str, revision: Any) -> str | None:
+def _revision_error(name: str, what: str, revision: Any, key: str) -> str | None:
+    """None for a full commit, else the refusal; ``key`` is where the pin goes under sparkfleet_models."""
     if isinstance(revision, str) and FULL_REVISION.fullmatch(revision):
         return None
     return f"model {name!r}: {what} revision {revision if revision else '(empty)'!r} is not a full 40-hex commit: " + (
-        PIN_HINT.format(name=name)
+        PIN_HINT.format(key=key)
     )
 
 
@@ -184,7 +185,7 @@ def model_errors(resolved: Mapping[str, Any], models: Mapping[str, Any]) -> list
                 f"build (a checkpoint built on the seed), not {kinds or 'none'}"
             )
         elif kinds == ["repo"]:
-            error = _revision_error(key, str(entry["repo"]), entry.get("revision"))
+            error = _revision_error(key, str(entry["repo"]), entry.get("revision"), key)
             if error:
                 found.append(error)
         elif kinds == ["build"]:
@@ -195,9 +196,9 @@ def model_errors(resolved: Mapping[str, Any], models: Mapping[str, Any]) -> list
                 if not isinstance(spec, Mapping) or "repo" not in spec:
                     found.append(f"model {key!r}: build needs {part}: {{repo, revision}}")
                     continue
-                error = _revision_error(key, f"{part} {spec['repo']}", spec.get("revision"))
+                error = _revision_error(key, f"{part} {spec['repo']}", spec.get("revision"), f"{key}.{part}")
                 if error:
-                    found.append(error.replace(f"{key}.revision", f"{key}.{part}.revision"))
+                    found.append(error)
     return found
 
 
