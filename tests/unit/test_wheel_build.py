@@ -337,7 +337,7 @@ def test_metadata_step_that_matches_nothing_is_refused(tmp_path: Path, series: t
 
 def test_pinned_sources_are_full_hashes_of_wheels() -> None:
     sources = wheel_build.load_pinned_sources()
-    assert set(sources) == {"gpu-aarch64", "cpu-x86_64"}
+    assert set(sources) == {"gpu-aarch64", "gpu-x86_64", "cpu-x86_64"}
     for pin in sources.values():
         assert len(pin["sha256"]) == 64 and int(pin["sha256"], 16) >= 0
         assert pin["filename"].endswith(".whl") and pin["platform"] in wheel_build.PLATFORMS

@@ -29,8 +29,10 @@ def touched_files(patch: Path) -> list[str]:
     return [line[6:].split("\t")[0] for line in patch.read_text().splitlines() if line.startswith("+++ b/")]
 
 
-def build_vllm_tree(dest: Path, patch: Path | None) -> Path:
+def build_vllm_tree(dest: Path, patch: Path | list[Path] | None) -> Path:
     """A `site` dir holding a vllm package: symlinks to the installed files, patched files as real copies.
+
+    ``patch`` is one patch or several, applied in order (as the series lists them).
 
     Cached bytecode is linked too (it is checked against the source's size and mtime, which symlinks
     share), except for the patched modules, which compile into the tree's own __pycache__.
@@ -42,10 +44,13 @@ def build_vllm_tree(dest: Path, patch: Path | None) -> Path:
         (site / rel).mkdir(parents=True, exist_ok=True)
         for name in filenames:
             (site / rel / name).symlink_to(Path(dirpath) / name)
-    if patch is not None:
-        tag = f"cpython-{sys.version_info[0]}{sys.version_info[1]}"
+    patches = [] if patch is None else [patch] if isinstance(patch, Path) else list(patch)
+    tag = f"cpython-{sys.version_info[0]}{sys.version_info[1]}"
+    for patch in patches:
         for rel in touched_files(patch):
             target = site / rel
+            if not target.is_symlink():
+                continue  # an earlier patch of the list made it a real copy already
             target.unlink()
             shutil.copyfile(source.parent / rel, target)
             (target.parent / "__pycache__" / f"{target.stem}.{tag}.pyc").unlink(missing_ok=True)

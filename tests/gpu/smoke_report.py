@@ -1,0 +1,148 @@
+"""The CUDA smoke's verdicts, from the results of a run: greedy equality, acceptance, prefix hits.
+
+    python3 tests/gpu/smoke_report.py OUT/wave-A.json OUT/wave-B.json --install OUT/install.json \
+        --json tests/gpu/results/cuda_smoke_h200.json
+
+Merges the waves, then for every case with a baseline compares its greedy outputs request by
+request with the baseline's: equal, or the first diverging position with both tokens and the
+baseline's logprob margin there (the gap between its top-1 and the case's token, when that token is
+in its top 2). A divergence at position 0 means the target's own state was wrong, not speculation.
+Standard library only: it runs on the GPU machine (to print) and here (tests/unit reads the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import smoke_cases  # noqa: E402
+
+
+def merge(paths: list[Path]) -> dict:
+    merged: dict = {"cases": {}, "waves": []}
+    for path in paths:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        merged["waves"].append({key: value for key, value in data.items() if key != "cases"})
+        merged["cases"].update(data["cases"])
+    return merged
+
+
+def _margin(top: list[dict], position: int, token: int) -> float | None:
+    """log p(top-1) - log p(token) at ``position`` of a greedy output's top-2 logprobs (None: not in top 2)."""
+    if position >= len(top) or not top[position]:
+        return None
+    entry = {str(key): value for key, value in top[position].items()}
+    best = max(entry.values())
+    value = entry.get(str(token))
+    return None if value is None else round(best - value, 6)
+
+
+def compare_outputs(expected: dict, actual: dict) -> dict:
+    """One request: equal, or where the two greedy outputs first differ and by how much."""
+    if "error" in expected or "error" in actual:
+        return {"equal": False, "error": actual.get("error") or expected.get("error")}
+    want, got = expected["token_ids"], actual["token_ids"]
+    position = smoke_cases.first_divergence(want, got)
+    if position is None:
+        return {"equal": True, "tokens": len(want)}
+    result = {"equal": False, "first_divergence": position, "tokens": len(want)}
+    if position < len(want) and position < len(got):
+        result["expected_token"], result["actual_token"] = want[position], got[position]
+        result["baseline_margin"] = _margin(expected.get("top_logprobs") or [], position, got[position])
+        result["case_margin"] = _margin(actual.get("top_logprobs") or [], position, want[position])
+    return result
+
+
+def acceptance_length(metrics: dict) -> float | None:
+    drafts = metrics.get("vllm:spec_decode_num_drafts") or 0
+    if not drafts:
+        return None
+    return round(1 + (metrics.get("vllm:spec_decode_num_accepted_tokens") or 0) / drafts, 3)
+
+
+def verdicts(merged: dict) -> dict:
+    """Per case: booted, equality against its baseline per request, acceptance, prefix hits."""
+    out: dict = {}
+    results = merged["cases"]
+    for case in smoke_cases.CASES:
+        result = results.get(case.name)
+        if result is None:
+            continue
+        verdict: dict = {
+            "booted": bool(result.get("booted")),
+            "seconds_to_health": result.get("seconds_to_health"),
+            "error": result.get("error") if not result.get("booted") else None,
+            "attention_block": result.get("attention_block"),
+            "mamba_padding_pct": result.get("mamba_padding_pct"),
+            "kv_cache_tokens": result.get("kv_cache_tokens"),
+            "gdn_prefill": result.get("gdn_prefill"),
+            "int8_lm_head": result.get("int8_lm_head"),
+            "acceptance_length": acceptance_length(result.get("metrics") or {}),
+        }
+        metrics = result.get("metrics") or {}
+        if case.prefix_caching:
+            verdict["prefix_cache_hits"] = metrics.get("vllm:prefix_cache_hits")
+            verdict["prefix_cache_queries"] = metrics.get("vllm:prefix_cache_queries")
+        baseline = results.get(case.baseline) if case.baseline else None
+        if baseline is not None and result.get("outputs") and baseline.get("outputs"):
+            requests = {}
+            for name, actual in result["outputs"].items():
+                if name in baseline["outputs"]:
+                    requests[name] = compare_outputs(baseline["outputs"][name], actual)
+            verdict["baseline"] = case.baseline
+            verdict["requests"] = requests
+            verdict["equal"] = all(r["equal"] for r in requests.values())
+            verdict["diverging"] = sorted(name for name, r in requests.items() if not r["equal"])
+        out[case.name] = verdict
+    return out
+
+
+def summary_lines(table: dict) -> list[str]:
+    lines = []
+    for name, verdict in table.items():
+        if not verdict["booted"]:
+            lines.append(f"{name:34s} did not start: {verdict.get('error')}")
+            continue
+        parts = [f"{name:34s} up in {verdict['seconds_to_health']} s"]
+        if verdict.get("attention_block"):
+            parts.append(f"block {verdict['attention_block']}")
+        if verdict.get("mamba_padding_pct") is not None:
+            parts.append(f"mamba +{verdict['mamba_padding_pct']}%")
+        if verdict.get("acceptance_length"):
+            parts.append(f"acceptance {verdict['acceptance_length']}")
+        if "equal" in verdict:
+            if verdict["equal"]:
+                parts.append(f"= {verdict['baseline']} on all {len(verdict['requests'])} requests")
+            else:
+                first = {n: verdict["requests"][n].get("first_divergence") for n in verdict["diverging"]}
+                parts.append(f"DIFFERS from {verdict['baseline']}: {first}")
+        if verdict.get("prefix_cache_hits") is not None:
+            parts.append(f"prefix hits {verdict['prefix_cache_hits']:.0f}/{verdict['prefix_cache_queries']:.0f}")
+        lines.append(", ".join(parts))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("waves", nargs="+", type=Path)
+    parser.add_argument("--install", type=Path, help="install.json of the same run")
+    parser.add_argument("--json", type=Path, help="write the merged results and verdicts here")
+    args = parser.parse_args(argv)
+    merged = merge(args.waves)
+    if args.install and args.install.is_file():
+        merged["install"] = json.loads(args.install.read_text(encoding="utf-8"))
+    merged["verdicts"] = verdicts(merged)
+    for line in summary_lines(merged["verdicts"]):
+        print(line)
+    if args.json:
+        args.json.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
