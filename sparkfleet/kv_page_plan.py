@@ -147,7 +147,7 @@ class KVPlan:
     mamba_page_size_bytes: int | None  # the GDN state page before padding
     padding_pct: float  # how much the GDN page is padded to reach the common page
     kernel_block_sizes: dict[str, int] = field(default_factory=dict)
-    failure_stage: str | None = None  # "alignment", "unify", "kernel" or "view"
+    failure_stage: str | None = None  # "alignment", "unify", "grouping", "kernel" or "view"
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -311,6 +311,14 @@ class _Spec:
     bytes_per_token: int = 0  # attention only
     state_bytes: int = 0  # mamba only: the unpadded page
     page_size_padded: int | None = None
+    num_layers: int = 1
+    geometry: tuple[int, int] = (0, 0)  # attention only: (KV heads, head size), part of the spec's identity
+
+    def identity(self) -> tuple:
+        """What makes two layers' KVCacheSpecs equal (and so one spec type when vLLM groups them)."""
+        if self.kind == "mamba":
+            return ("mamba", self.state_bytes, self.page_size_padded)
+        return ("attention", self.block_size, self.geometry, self.bytes_per_token)
 
     @property
     def page_size_bytes(self) -> int:
@@ -370,6 +378,39 @@ def _unify_patched(specs: list[_Spec]) -> None:
             spec.block_size = common // spec.bytes_per_token
         else:
             raise _UnifyError("unify", f"the padded {spec.name} page cannot be rescaled")
+
+
+def _check_groups(specs: list[_Spec]) -> None:
+    """The KV cache groups (``_get_kv_cache_groups_uniform_page_size``) and the drafter's one-group rule.
+
+    vLLM puts layers with equal specs into one type (a drafter layer whose spec equals the target's
+    attention spec joins the target's layers, after them), takes the group size from the smallest
+    type (the largest when no type has 1.5 times the layers of the smallest), and deals each type's
+    layers round-robin into ceil(count / group size) groups. The proposer then asserts that every
+    drafting layer is in the same group (``validate_same_kv_cache_group``,
+    v1/spec_decode/llm_base_proposer.py): a drafter with more layers than the group size fails.
+    A DFlash drafter's own sliding window plays no part: its layers take the target's
+    ``cache_config.sliding_window`` (none on Qwen3.5), so they are full-attention layers.
+    """
+    drafter = next((spec for spec in specs if spec.name == "drafter attention"), None)
+    if drafter is None:
+        return
+    types: dict[tuple, list[str]] = {}
+    for spec in specs:
+        layers = types.setdefault(spec.identity(), [])
+        layers.extend(f"{spec.name} {i}" for i in range(spec.num_layers))
+    counts = [len(layers) for layers in types.values()]
+    group_size = max(counts) if max(counts) < min(counts) * 1.5 else min(counts)
+    layers = types[drafter.identity()]
+    num_groups = -(-len(layers) // group_size)
+    groups = {index % num_groups for index, name in enumerate(layers) if name.startswith("drafter attention")}
+    if len(groups) > 1:
+        raise _UnifyError(
+            "grouping",
+            f"vLLM groups KV layers {group_size} at a time here, so the drafter's {drafter.num_layers} layers "
+            f'land in {len(groups)} KV cache groups and the proposer asserts "All drafting layers should '
+            f'belong to the same kv cache group"',
+        )
 
 
 def _check_runner(specs: list[_Spec], kernel_sizes: list[KernelSize], kernel_blocks: dict[str, int]) -> None:
@@ -526,16 +567,45 @@ def _plan(
         if attention_block * attn_bpt > mamba_page:
             page_padded = attention_block * attn_bpt
 
-    specs = [_Spec("target attention", "attention", attention_block, bytes_per_token=attn_bpt)]
+    target_geometry = (target.attention.num_kv_heads, target.attention.head_size)
+    specs = [
+        _Spec(
+            "target attention",
+            "attention",
+            attention_block,
+            bytes_per_token=attn_bpt,
+            num_layers=target.attention.num_layers,
+            geometry=target_geometry,
+        )
+    ]
     if target.gdn is not None and mamba_page is not None:
-        specs.append(_Spec("GDN state", "mamba", attention_block, state_bytes=mamba_page, page_size_padded=page_padded))
+        specs.append(
+            _Spec(
+                "GDN state",
+                "mamba",
+                attention_block,
+                state_bytes=mamba_page,
+                page_size_padded=page_padded,
+                num_layers=target.gdn.num_layers,
+            )
+        )
     if drafter is not None and drafter_bpt is not None:
-        specs.append(_Spec("drafter attention", "attention", attention_block, bytes_per_token=drafter_bpt))
+        specs.append(
+            _Spec(
+                "drafter attention",
+                "attention",
+                attention_block,
+                bytes_per_token=drafter_bpt,
+                num_layers=drafter.attention.num_layers,
+                geometry=(drafter.attention.num_kv_heads, drafter.attention.head_size),
+            )
+        )
 
     kernel_blocks: dict[str, int] = {}
     failure: _UnifyError | None = None
     try:
         (_unify_patched if patched else _unify_stock)(specs)
+        _check_groups(specs)
         _check_runner(specs, kernel_sizes, kernel_blocks)
     except _UnifyError as exc:
         failure = exc

@@ -139,7 +139,9 @@ def parse_log(text: str) -> dict:
     for key in ("mamba_padding_pct", "graph_capture_s"):
         if key in found:
             found[key] = float(found[key])
-    errors = ERROR_LINE.findall(text)
+    # The root cause is what the engine core raised (the API server only reports that it died).
+    engine = [m for line in text.splitlines() if "EngineCore" in line for m in ERROR_LINE.findall(line)]
+    errors = engine or ERROR_LINE.findall(text)
     if errors:
         found["error"] = errors[-1].strip()[:500]
     return found

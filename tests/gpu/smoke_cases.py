@@ -165,19 +165,9 @@ def _matrix() -> tuple[Case, ...]:
     small_pool = ("--num-gpu-blocks-override", "40")  # 40 x 80 tokens: one 2048-token request fits
     for tree in ("fixed", "stock"):
         suffix = "" if tree == "fixed" else "-stock"
-        cases += [
-            Case(f"hybrid-reuse{suffix}", "C", HYBRID_TARGET, tree=tree, baseline="hybrid", extra_args=small_pool),
-            Case(
-                f"hybrid-dflash4-reuse{suffix}",
-                "C",
-                HYBRID_TARGET,
-                HYBRID_DRAFTER,
-                4,
-                tree=tree,
-                baseline="hybrid",
-                extra_args=small_pool,
-            ),
-        ]
+        cases.append(
+            Case(f"hybrid-reuse{suffix}", "C", HYBRID_TARGET, tree=tree, baseline="hybrid", extra_args=small_pool)
+        )
     return tuple(cases)
 
 

@@ -258,7 +258,9 @@ def run(args: argparse.Namespace) -> int:
     with tarfile.open(out / f"logs-{'-'.join(args.wave)}.tar.gz", "w:gz") as tar:
         if logs.is_dir():
             tar.add(logs, arcname="logs")
-    report = [sys.executable, str(REPO / "tests/gpu/smoke_report.py"), *map(str, sorted(results.glob("wave-*.json")))]
+    if (WORK / "install.json").is_file():
+        shutil.copyfile(WORK / "install.json", results / "install.json")
+    report = [sys.executable, str(REPO / "tests/gpu/smoke_report.py"), str(results)]
     summary = subprocess.run(report, capture_output=True, text=True)
     (out / "summary.txt").write_text(summary.stdout + summary.stderr, encoding="utf-8")
     print(summary.stdout + summary.stderr, flush=True)

@@ -1,12 +1,13 @@
 """The CUDA smoke's verdicts, from the results of a run: greedy equality, acceptance, prefix hits.
 
-    python3 tests/gpu/smoke_report.py OUT/wave-A.json OUT/wave-B.json --install OUT/install.json \
+    python3 tests/gpu/smoke_report.py RUN_DIR [RUN_DIR=case,case ...] \
         --json tests/gpu/results/cuda_smoke_h200.json
 
-Merges the waves, then for every case with a baseline compares its greedy outputs request by
-request with the baseline's: equal, or the first diverging position with both tokens and the
-baseline's logprob margin there (the gap between its top-1 and the case's token, when that token is
-in its top 2). A divergence at position 0 means the target's own state was wrong, not speculation.
+Merges the runs (each a folder of install.json and wave-*.json as smoke_device.py leaves it), then
+for every case with a baseline compares its greedy outputs request by request with the baseline's:
+equal, or the first diverging position with both tokens and the baseline's logprob margin there
+(the gap between its top-1 and the case's token, when that token is in its top 2). A divergence at
+position 0 means the target's own state was wrong, not speculation.
 Standard library only: it runs on the GPU machine (to print) and here (tests/unit reads the JSON).
 """
 
@@ -22,14 +23,66 @@ sys.path.insert(0, str(HERE))
 
 import smoke_cases  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[2]
 
-def merge(paths: list[Path]) -> dict:
-    merged: dict = {"cases": {}, "waves": []}
-    for path in paths:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        merged["waves"].append({key: value for key, value in data.items() if key != "cases"})
-        merged["cases"].update(data["cases"])
-    return merged
+
+def sanitize(value, roots: dict[str, str]):
+    """``value`` with the machines' own paths replaced by names ($REPO, $WORK): nothing absolute is kept."""
+    if isinstance(value, str):
+        for path, name in roots.items():
+            value = value.replace(path, name)
+        return value
+    if isinstance(value, list):
+        return [sanitize(item, roots) for item in value]
+    if isinstance(value, dict):
+        return {key: sanitize(item, roots) for key, item in value.items()}
+    return value
+
+
+def merge(runs: list[tuple[Path, set[str] | None]], roots: dict[str, str], models: Path | None = None) -> dict:
+    """The cases of every run directory, later runs over earlier ones; each case names its run and wheel.
+
+    A run is a directory as ``smoke_device.py run`` leaves it (install.json, wave-*.json); with a set
+    of names only those cases are taken from it. A case recorded before runs kept the models'
+    configs gets them from ``models`` (smoke_prepare.py makes the same files every time).
+    """
+    import tarfile
+
+    from cuda_smoke import parse_log
+
+    merged: dict = {"cases": {}, "runs": {}}
+    for directory, only in runs:
+        install = json.loads((directory / "install.json").read_text(encoding="utf-8"))
+        logs: dict[str, str] = {}
+        for tar_path in directory.glob("logs-*.tar.gz"):
+            with tarfile.open(tar_path) as tar:
+                for member in tar.getmembers():
+                    if member.isfile() and member.name.endswith(".log"):
+                        logs[Path(member.name).stem] = tar.extractfile(member).read().decode(errors="replace")
+        merged["runs"][directory.name] = {"install": install, "waves": []}
+        for path in sorted(directory.glob("wave-*.json")):
+            data = json.loads(path.read_text(encoding="utf-8"))
+            merged["runs"][directory.name]["waves"].append({k: v for k, v in data.items() if k != "cases"})
+            for name, result in data["cases"].items():
+                if only is None or name in only:
+                    # What the logs say is re-read with this version of the parser.
+                    parsed = parse_log(logs[name]) if name in logs else {}
+                    merged["cases"][name] = {
+                        **result,
+                        **parsed,
+                        "run": directory.name,
+                        "wheel": install["patched_wheel"],
+                    }
+                    case = smoke_cases.CASES_BY_NAME.get(name)
+                    if "configs" not in result and case is not None and models is not None:
+                        merged["cases"][name]["configs"] = {
+                            "target": json.loads((models / case.target / "config.json").read_text()),
+                            "drafter": json.loads((models / case.drafter / "config.json").read_text())
+                            if case.drafter
+                            else None,
+                            "from": "the models folder at merge time (the run predates recorded configs)",
+                        }
+    return sanitize(merged, roots)
 
 
 def _margin(top: list[dict], position: int, token: int) -> float | None:
@@ -127,15 +180,47 @@ def summary_lines(table: dict) -> list[str]:
     return lines
 
 
+def archive(directory: Path, target: Path, roots: dict[str, str]) -> Path:
+    """A sanitized copy of a run directory (JSON and the log tars, paths replaced) under ``target``."""
+    import io
+    import tarfile
+
+    out = target / directory.name
+    out.mkdir(parents=True, exist_ok=True)
+    for path in directory.glob("*.json"):
+        data = sanitize(json.loads(path.read_text(encoding="utf-8")), roots)
+        (out / path.name).write_text(json.dumps(data, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    for path in directory.glob("logs-*.tar.gz"):
+        with tarfile.open(path) as source, tarfile.open(out / path.name, "w:gz") as copy:
+            for member in source.getmembers():
+                if not member.isfile():
+                    continue
+                text = sanitize(source.extractfile(member).read().decode(errors="replace"), roots).encode()
+                info = tarfile.TarInfo(member.name)
+                info.size, info.mtime, info.mode = len(text), 0, 0o644
+                copy.addfile(info, io.BytesIO(text))
+    return out
+
+
+def parse_run(text: str) -> tuple[Path, set[str] | None]:
+    directory, _, names = text.partition("=")
+    return Path(directory), set(names.split(",")) if names else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("waves", nargs="+", type=Path)
-    parser.add_argument("--install", type=Path, help="install.json of the same run")
+    parser.add_argument("runs", nargs="+", type=parse_run, help="DIR or DIR=case,case (later runs win)")
+    parser.add_argument("--device-repo", default=str(REPO), help="the repository's path on the GPU machine")
+    parser.add_argument("--device-work", default="/tmp/sf-smoke", help="smoke_device.py's work folder there")
     parser.add_argument("--json", type=Path, help="write the merged results and verdicts here")
+    parser.add_argument("--archive-to", type=Path, help="first copy each run here, sanitized (the committed form)")
+    parser.add_argument("--models", type=Path, default=REPO / "build/gpu-smoke/models", help="the cases' models")
     args = parser.parse_args(argv)
-    merged = merge(args.waves)
-    if args.install and args.install.is_file():
-        merged["install"] = json.loads(args.install.read_text(encoding="utf-8"))
+    roots = {args.device_repo: "$REPO", args.device_work: "$WORK"}
+    runs = args.runs
+    if args.archive_to:
+        runs = [(archive(directory, args.archive_to, roots), only) for directory, only in runs]
+    merged = merge(runs, roots, args.models if args.models.is_dir() else None)
     merged["verdicts"] = verdicts(merged)
     for line in summary_lines(merged["verdicts"]):
         print(line)

@@ -98,7 +98,7 @@ class Outcome:
     """What the real vLLM code did with one case."""
 
     ok: bool
-    stage: str | None = None  # where it failed: "unify", "kernel" or "view"
+    stage: str | None = None  # where it failed: "unify", "grouping", "kernel" or "view"
     error: str = ""
     attention_block_size: int | None = None
     drafter_block_size: int | None = None
@@ -335,6 +335,19 @@ class RealVLLM:
             outcome.stage, outcome.error = "unify", f"{type(exc).__name__}: {exc}"
             return outcome
         groups = kv_cache_config.kv_cache_groups
+        # the proposer's own check when the runner hands it the KV cache config (one group for every
+        # drafting layer: validate_same_kv_cache_group, run on a stand-in that holds only the names)
+        if draft_spec is not None:
+            from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+            drafting = SimpleNamespace(
+                _draft_attn_layer_names=[n for n, r in roles.items() if r == "drafter attention"]
+            )
+            try:
+                SpecDecodeBaseProposer.validate_same_kv_cache_group(drafting, kv_cache_config)
+            except AssertionError as exc:
+                outcome.stage, outcome.error = "grouping", f"AssertionError: {exc}"
+                return outcome
         scheduler_block_size, hash_block_size = code.kv_cache_utils.resolve_kv_cache_block_sizes(
             kv_cache_config, vllm_config
         )
@@ -522,6 +535,34 @@ def grid_cases() -> list[Case]:
                 variant(DRAFTERS_JSON["bce6f76"], sliding_window=window, num_hidden_layers=layers),
                 f"bce6f76 w{window} l{layers}",
                 7,
+            )
+        )
+    # drafter depth against the group size vLLM picks (the smallest layer type, or the largest when
+    # none has 1.5 times the smallest): the drafting layers must all land in one KV cache group
+    for layers in (6, 12, 13, 24):
+        for name, geometry in (("6c7242c", {}), ("target's 2x256", {"num_key_value_heads": 2, "head_dim": 256})):
+            cases.append(
+                Case(
+                    f"{layers}-layer drafter, {name} geometry",
+                    target,
+                    variant(drafter, num_hidden_layers=layers, **geometry),
+                    f"{name} {layers}L",
+                    12,
+                )
+            )
+    tiny_like = variant(
+        target,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    for layers in (1, 2):
+        cases.append(
+            Case(
+                f"2-layer target, {layers}-layer drafter",
+                tiny_like,
+                variant(drafter, num_hidden_layers=layers, num_key_value_heads=2, head_dim=256),
+                f"target geometry {layers}L",
+                4,
             )
         )
     for kv_dtype in ("fp8",):
@@ -893,8 +934,10 @@ def render_document(reference: list[dict[str, Any]], grid: list[dict[str, Any]],
         "attention block A, the drafter's attention block D (after unification), the kernel block sizes the",
         "runner picks for them, and how much the Gated-DeltaNet state page is padded to reach the common",
         "page; `fails (stage)` names where it stopped (`unify`: the page-size",
-        "assert or NotImplementedError in `get_kv_cache_groups`; `kernel`: no kernel block size;",
-        "`view`: the runner's KV view). *planner agrees* compares `sparkfleet kv-plan` with both cells.",
+        "assert or NotImplementedError in `get_kv_cache_groups`; `grouping`: the proposer's",
+        '`validate_same_kv_cache_group`, "All drafting layers should belong to the same kv cache group";',
+        "`kernel`: no kernel block size; `view`: the runner's KV view). *planner agrees* compares",
+        "`sparkfleet kv-plan` with both cells.",
         "CUDA cases use the FLASH_ATTN backend class (kernel blocks 16/32/64 with a float32 SSM state);",
         "prefix caching off (as the recipe serves) unless the options say otherwise.",
         "",
@@ -915,6 +958,13 @@ def render_document(reference: list[dict[str, Any]], grid: list[dict[str, Any]],
         "  drafter's bytes per token divide the target's, this is the stock quantum and nothing changes.",
         "- Unification takes the common page from the block-size-invariant (GDN/mamba) specs, fits every",
         "  attention spec to it exactly (block = page / bytes per token), and pads only mamba pages.",
+        "- Grouping (stock and patched alike): layers with equal KV specs form one type, the group size is",
+        "  the smallest type's layer count (the largest when no type has 1.5 times the smallest), and each",
+        "  type is dealt round-robin into groups of that size; every drafting layer must land in one",
+        "  group. A DFlash drafter's own sliding window is not used (its layers take the target's",
+        "  `cache_config.sliding_window`), so its layers are full attention; with the target's KV",
+        "  geometry they join the target's attention layers. On the 122B (36 GDN, 12 attention layers) a",
+        "  drafter of another geometry may have up to 12 layers; the tiny 2-layer hybrid only 1.",
         "- An attention page is never padded: the runner views it with one page stride per kernel block,",
         "  which runs past the buffer when the kernel block is smaller than the block (block 1040, kernel",
         "  16: reproduced on the real runner code by",
