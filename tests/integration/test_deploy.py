@@ -7,6 +7,7 @@ run must change nothing, and check mode on the converged fleet must report nothi
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 import pytest
@@ -32,10 +33,12 @@ def test_every_host_is_serving_and_summarised(deployed, sandbox_hosts, sandbox_f
         assert enabled == "enabled"
         listening = sandbox_fleet.ssh(host, "ss -Hltn 'sport = :8000'").stdout
         assert "127.0.0.1:8000" in listening, f"{host}: nothing listens on 127.0.0.1:8000: {listening!r}"
-        # the summary names each host with its profile and health
-        assert any(
-            host in line and "profile=dflash" in line and "health=ok" in line for line in deployed.output.splitlines()
-        ), f"no summary line for {host}"
+        # the summary names each host with its profile and health, and the health gate scored the
+        # smoke completion with the target alone: every token was its greedy choice
+        line = next((x for x in deployed.output.splitlines() if host in x and "profile=dflash" in x), "")
+        assert "health=ok" in line, f"no healthy summary line for {host}"
+        greedy = re.search(r"target-greedy=(\d+)/(\d+)", line)
+        assert greedy and greedy.group(1) == greedy.group(2) and int(greedy.group(2)) >= 1, line
 
 
 def test_a_completion_over_http_returns_text(deployed, sandbox_hosts, sandbox_fleet) -> None:

@@ -7,8 +7,9 @@ answer like vLLM's OpenAI server and expose vLLM's /metrics counters:
   result JSON lands on the "host" and under ``<fetch dir>/<host>/`` with its identity fields, every
   figure and baseline check is printed, a regression fails the run, and a baseline naming no figure
   is refused before anything is written;
-- serve_health: the tool-call request and the acceptance length from /metrics deltas pass on a healthy
-  stub, and each fails with a message naming what failed;
+- serve_health: the tool-call request, the acceptance length from /metrics deltas and the smoke
+  completion scored by the target alone (its greedy choice at every token) pass on a healthy stub,
+  and each fails with a message naming what failed (a near tie is reported, not failed);
 - both roles: ``meta/argument_specs.yml`` documents exactly the variables ``defaults/main.yml`` sets;
 - serve_health's ``sparkfleet_prometheus_sum`` filter.
 """
@@ -214,9 +215,19 @@ def test_bench_refuses_a_baseline_that_names_no_figure(tmp_path: Path, bench_stu
 class HealthStub:
     """A vLLM-like server for serve_health: completions, a tool call, and spec-decode counters."""
 
-    def __init__(self, tool_name: str = "get_weather", acceptance_length: float = 4.0) -> None:
+    PROMPT_IDS = [10, 11, 12, 13, 14]  # "The capital of France is", as the stub tokenizes it
+    COMPLETION_IDS = [20, 21, 22]  # " Paris."
+
+    def __init__(
+        self,
+        tool_name: str = "get_weather",
+        acceptance_length: float = 4.0,
+        off_greedy: tuple[int, float] | None = None,
+    ) -> None:
         self.tool_name = tool_name
         self.acceptance_length = acceptance_length
+        # (completion position, how many nats the target's first choice there beats the served token)
+        self.off_greedy = off_greedy
         self.drafts = 10.0
         self.accepted = 25.0
         self.generated = 100.0
@@ -235,6 +246,21 @@ class HealthStub:
             ]
         lines.append(f'vllm:generation_tokens_total{{engine="0",model_name="qwen"}} {self.generated}')
         return "\n".join(lines) + "\n"
+
+    def score(self, ids: list[int]) -> list[Any]:
+        """vLLM's prompt_logprobs (prompt_logprobs=1) of ``ids``: each token's logprob and rank."""
+        scored: list[Any] = [None]
+        for index, token in enumerate(ids[1:], 1):
+            entry = {str(token): {"logprob": -0.01, "rank": 1, "decoded_token": f"t{token}"}}
+            position = index - len(self.PROMPT_IDS)
+            if self.off_greedy is not None and position == self.off_greedy[0]:
+                gap = self.off_greedy[1]
+                entry = {
+                    str(token): {"logprob": -0.01 - gap, "rank": 2, "decoded_token": f"t{token}"},
+                    "99": {"logprob": -0.01, "rank": 1, "decoded_token": "t99"},
+                }
+            scored.append(entry)
+        return scored
 
     def handler(self) -> type[BaseHTTPRequestHandler]:
         stub = self
@@ -271,8 +297,13 @@ class HealthStub:
                     stub.drafts += drafts
                     stub.accepted += drafts * (stub.acceptance_length - 1)
                     stub.generated += tokens
-                if self.path == "/v1/completions":
-                    self.reply(200, {"choices": [{"text": " Paris."}], "usage": {"completion_tokens": tokens}})
+                if self.path == "/v1/completions" and body.get("prompt_logprobs"):
+                    self.reply(200, {"choices": [{"text": "", "prompt_logprobs": stub.score(body["prompt"])}]})
+                elif self.path == "/v1/completions":
+                    choice = {"text": " Paris."}
+                    if body.get("return_token_ids"):
+                        choice.update(prompt_token_ids=stub.PROMPT_IDS, token_ids=stub.COMPLETION_IDS)
+                    self.reply(200, {"choices": [choice], "usage": {"completion_tokens": tokens}})
                 elif self.path == "/v1/chat/completions" and body.get("tools"):
                     call = {
                         "id": "call-1",
@@ -309,13 +340,20 @@ def health_vars(port: str, **overrides: Any) -> dict[str, Any]:
         ),
         ({"acceptance_length": 1.5}, {}, "mean acceptance length 1.5 (1 + 21 accepted / 42 drafts over 64 tokens", 1),
         (
+            {"off_greedy": (1, 4.0)},
+            {},
+            "is not the target's greedy output: [1] of its 3 tokens are not the target's first choice there",
+            0,  # stopped at the greedy check
+        ),
+        ({"off_greedy": (2, 0.02)}, {}, None, 1),  # a near tie between prefill and decode rounding
+        (
             {"tool_name": "get_time", "acceptance_length": 1.5},
             {"serve_health_tool_call_expect_name": "", "serve_health_min_acceptance_length": 0},
             None,
             0,  # acceptance check off
         ),
     ],
-    ids=["healthy", "wrong-tool", "low-acceptance", "checks-relaxed"],
+    ids=["healthy", "wrong-tool", "low-acceptance", "off-greedy", "near-tie", "checks-relaxed"],
 )
 def test_health_tool_call_and_acceptance(
     tmp_path: Path, stub_kwargs: dict[str, Any], overrides: dict[str, Any], message: str | None, acceptance_runs: int
@@ -332,7 +370,13 @@ def test_health_tool_call_and_acceptance(
     else:
         assert proc.returncode != 0
         assert message in proc.stdout + proc.stderr, proc.stdout[-3000:]
+    scored = [b for b in stub.bodies if b.get("prompt_logprobs")]
+    assert [b["prompt"] for b in scored] == [stub.PROMPT_IDS + stub.COMPLETION_IDS]
+    assert scored[0]["max_tokens"] == 1 and scored[0]["prompt_logprobs"] == 1
     tool_requests = [b for b in stub.bodies if b["path"] == "/v1/chat/completions"]
+    if stub.off_greedy is not None and stub.off_greedy[1] > 0.05:
+        assert tool_requests == []  # the gate stopped at the greedy check
+        return
     assert len(tool_requests) == 1
     assert tool_requests[0]["tool_choice"] == "auto" and tool_requests[0]["temperature"] == 0
     assert tool_requests[0]["tools"][0]["function"]["name"] == "get_weather"
@@ -395,3 +439,51 @@ def test_payload_is_what_ops_bench_ships() -> None:
     role_vars = yaml.safe_load((ROOT / "roles" / "serve_bench" / "vars" / "main.yml").read_text())
     for pattern in BENCH_PAYLOAD_GLOBS:
         assert f"serve_bench_package_src ~ '/{pattern}'" in role_vars["__serve_bench_payload"], pattern
+
+
+def load_greedy_filter() -> Any:
+    path = ROOT / "roles" / "serve_health" / "filter_plugins" / "greedy_check.py"
+    spec = importlib.util.spec_from_file_location("serve_health_greedy_check", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_greedy_check_names_each_token_that_is_not_the_first_choice() -> None:
+    module = load_greedy_filter()
+    stub = HealthStub(off_greedy=(0, 1.0))
+    scored = stub.score(stub.PROMPT_IDS + stub.COMPLETION_IDS)
+    result = module.sparkfleet_greedy_check(scored, len(stub.PROMPT_IDS), stub.COMPLETION_IDS, 0.05)
+    assert result == {
+        "ok": False,
+        "tokens": 3,
+        "mismatches": [
+            {"position": 0, "token": 20, "rank": 2, "logprob": -1.01, "top_token": 99, "top_logprob": -0.01}
+        ],
+        "ties": [],
+    }
+    healthy = HealthStub().score(stub.PROMPT_IDS + stub.COMPLETION_IDS)
+    assert module.sparkfleet_greedy_check(healthy, 5, stub.COMPLETION_IDS) == {
+        "ok": True,
+        "tokens": 3,
+        "mismatches": [],
+        "ties": [],
+    }
+    tie = module.sparkfleet_greedy_check(scored, 5, stub.COMPLETION_IDS, 2.0)
+    assert tie["ok"] and [t["position"] for t in tie["ties"]] == [0]
+
+
+@pytest.mark.parametrize(
+    ("logprobs", "prompt_len", "completion", "fragment"),
+    [
+        (None, 5, [1], "expected the response's prompt_logprobs list, got NoneType"),
+        ([None, {}], 1, ["a"], "completion_ids must be token ids"),
+        ([None, {"7": {"logprob": -1, "rank": 1}}], 5, [7], "no entry for position 5"),
+        ([None, {"7": {"logprob": -1, "rank": 1}}], 1, [8], "token 8 is not in its prompt_logprobs entry"),
+    ],
+)
+def test_greedy_check_names_bad_input(logprobs: Any, prompt_len: int, completion: Any, fragment: str) -> None:
+    module = load_greedy_filter()
+    with pytest.raises(module.AnsibleFilterError, match=fragment):
+        module.sparkfleet_greedy_check(logprobs, prompt_len, completion)
