@@ -143,3 +143,10 @@ def test_gdn_prefill_ran_on_triton_as_the_profiles_set_it() -> None:
     for name in HYBRID:
         if CASES[name]["booted"]:
             assert CASES[name]["gdn_prefill"] == "Triton/FLA", name
+
+
+def test_the_smoke_document_is_generated_from_this_run() -> None:
+    doc = REPO / "docs" / "gpu-smoke.md"
+    assert doc.read_text(encoding="utf-8") == smoke_report.render_document(RUN), (
+        "docs/gpu-smoke.md is stale: regenerate it with the command in tests/gpu/results/cuda_smoke/README.md"
+    )
