@@ -118,6 +118,41 @@ def acceptance_length(metrics: dict) -> float | None:
     return round(1 + (metrics.get("vllm:spec_decode_num_accepted_tokens") or 0) / drafts, 3)
 
 
+def planner_prediction(case: smoke_cases.Case, configs: dict) -> dict:
+    """What sparkfleet's KV planner predicts for the case (the patched build: both trees carry 0001)."""
+    sys.path.insert(0, str(REPO))
+    from sparkfleet import kv_page_plan
+
+    plan = kv_page_plan.plan(
+        configs["target"],
+        configs["drafter"],
+        case.num_speculative_tokens,
+        True,
+        mamba_ssm_cache_dtype="float32" if case.hybrid else "auto",
+        attention_backend="FLASH_ATTN",
+        enable_prefix_caching=case.prefix_caching,
+    )
+    return {
+        "ok": plan.ok,
+        "attention_block": plan.attention_block_size if plan.mamba_page_size_bytes else None,
+        "mamba_padding_pct": round(plan.padding_pct, 2) if plan.mamba_page_size_bytes else None,
+        "failure_stage": plan.failure_stage,
+        "reason": plan.reason,
+    }
+
+
+def planner_agrees(verdict: dict) -> bool:
+    """The planner's prediction against what the GPU did: started or not, block and padding."""
+    plan = verdict["planner"]
+    if plan["ok"] != verdict["booted"]:
+        return False
+    if not plan["ok"]:
+        return plan["failure_stage"] == "grouping" and "same kv cache group" in (verdict["error"] or "")
+    return plan["attention_block"] == verdict["attention_block"] and (
+        plan["mamba_padding_pct"] is None or abs(plan["mamba_padding_pct"] - verdict["mamba_padding_pct"]) < 0.01
+    )
+
+
 def verdicts(merged: dict) -> dict:
     """Per case: booted, equality against its baseline per request, acceptance, prefix hits."""
     out: dict = {}
@@ -137,6 +172,9 @@ def verdicts(merged: dict) -> dict:
             "int8_lm_head": result.get("int8_lm_head"),
             "acceptance_length": acceptance_length(result.get("metrics") or {}),
         }
+        configs = result.get("configs")
+        if configs:
+            verdict["planner"] = planner_prediction(case, configs)
         metrics = result.get("metrics") or {}
         if case.prefix_caching:
             verdict["prefix_cache_hits"] = metrics.get("vllm:prefix_cache_hits")
@@ -151,6 +189,8 @@ def verdicts(merged: dict) -> dict:
             verdict["requests"] = requests
             verdict["equal"] = all(r["equal"] for r in requests.values())
             verdict["diverging"] = sorted(name for name, r in requests.items() if not r["equal"])
+        if "planner" in verdict:
+            verdict["planner_agrees"] = planner_agrees(verdict)
         out[case.name] = verdict
     return out
 
@@ -220,7 +260,8 @@ def render_document(merged: dict) -> str:
             started, layout = f"no: {verdict['error']}", "-"
         acceptance = verdict["acceptance_length"] if verdict["acceptance_length"] is not None else "-"
         rows.append(
-            f"| {case.name} | {case.target} | {drafter} | {options} | {started} | {layout} | {acceptance} "
+            f"| {case.name} | {case.target} | {drafter} | {options} | {started} | {layout} "
+            f"| {'agrees' if verdict.get('planner_agrees') else '**disagrees**'} | {acceptance} "
             f"| {_cell(verdict)} | {merged['cases'][case.name]['run']} |"
         )
     runs = []
@@ -247,8 +288,9 @@ def render_document(merged: dict) -> str:
         "repeat, a chat turn, a 192-token generation, a batch of four sent at once); *greedy* compares them",
         "request by request with the case's baseline and names the first diverging position.",
         "",
-        "| case | target | drafter | options | /health | attention block / mamba pad | acceptance | greedy | run |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| case | target | drafter | options | /health | attention block / mamba pad | planner | acceptance | greedy "
+        "| run |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         "Runs (each case above names the one it comes from; the equality cases all come from the run of",

@@ -73,6 +73,12 @@ def test_planner_predicts_what_the_gpu_did(name: str) -> None:
         assert "All drafting layers should belong to the same kv cache group" in plan.reason
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_json_records_the_planner_s_prediction_for_every_case_and_it_agrees(name: str) -> None:
+    verdict = RUN["verdicts"][name]
+    assert verdict["planner"]["reason"] and verdict["planner_agrees"] is True, (verdict["planner"], verdict)
+
+
 def test_some_geometries_fail_and_the_planner_says_so() -> None:
     refused = [name for name in HYBRID if not CASES[name]["booted"]]
     assert sorted(refused) == ["hybrid-drafter-2layers", "hybrid-drafter-2layers-2kv"]
