@@ -337,6 +337,32 @@ def test_the_guard_is_transparent_otherwise() -> None:
     assert sleeper.wait(timeout=10) == -signal.SIGTERM
 
 
+def test_a_server_that_quits_on_its_own_fails_the_unit() -> None:
+    # vLLM's API server exits 0 when its engine core dies: for a server that is a failure, with a reason
+    quit_early = subprocess.run(
+        [*GUARD, str(GIB), "0", "--", "sh", "-c", "exit 0"], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert quit_early.returncode == 70, quit_early.stdout + quit_early.stderr
+    assert "the server exited 0 although nothing asked it to stop" in quit_early.stdout
+    assert "exiting 70 so that the unit restarts" in quit_early.stdout
+
+
+def test_a_clean_stop_that_ends_in_exit_0_stays_clean() -> None:
+    # a server that catches SIGTERM and exits 0 (vLLM's does): asked to stop, so the guard exits 0 too
+    graceful = (
+        "import signal,sys,time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(0));"
+        "print('up', flush=True); time.sleep(30)"
+    )
+    guard = subprocess.Popen(
+        [*GUARD, str(GIB), "0", "--", sys.executable, "-c", graceful], stdout=subprocess.PIPE, text=True
+    )
+    assert guard.stdout is not None and "memory guard: pid" in guard.stdout.readline()
+    assert guard.stdout.readline().strip() == "up"
+    guard.send_signal(signal.SIGTERM)
+    assert guard.wait(timeout=10) == 0
+    assert "although nothing asked it to stop" not in guard.stdout.read()
+
+
 def test_the_guard_refuses_a_bad_limit() -> None:
     result = subprocess.run([*GUARD, "12G", "0", "--", "true"], capture_output=True, text=True, check=False)
     assert result.returncode != 0
