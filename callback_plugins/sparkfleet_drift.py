@@ -29,8 +29,10 @@ requirements:
     C(ANSIBLE_CALLBACK_PLUGINS=callback_plugins)
 options:
   json_path:
-    description: Also write the summary as JSON (host -> changes, handlers, failure) to this file.
-    type: path
+    description:
+      - Also write the summary as JSON (host -> changes, handlers, failure) to this file; empty for none.
+      - A string, not Ansible's path type, which turns an empty value into the working directory.
+    type: str
     default: ""
     env:
       - name: SPARKFLEET_DRIFT_JSON
@@ -180,8 +182,9 @@ class CallbackModule(CallbackBase):
         self._display.display(
             f"{len(drifted)} of {len(hosts)} host(s) " + ("would change" if check_mode else "changed")
         )
-        json_path = self.get_option("json_path")
+        json_path = (self.get_option("json_path") or "").strip()
         if json_path:
+            json_path = str(Path(json_path).expanduser())
             summary = {
                 "check_mode": check_mode,
                 "hosts": {h: self.records.get(h, new_record()) for h in hosts},

@@ -81,7 +81,9 @@ PLAYBOOK = """
 """
 
 
-def run_drift(tmp_path: Path, check: bool) -> tuple[subprocess.CompletedProcess[str], dict]:
+def run_drift(
+    tmp_path: Path, check: bool, json_env: str | None = None
+) -> tuple[subprocess.CompletedProcess[str], dict]:
     inventory = {
         "all": {
             "vars": {
@@ -101,14 +103,14 @@ def run_drift(tmp_path: Path, check: bool) -> tuple[subprocess.CompletedProcess[
         "ANSIBLE_CALLBACKS_ENABLED": "sparkfleet_drift",
         "ANSIBLE_CALLBACK_PLUGINS": str(ROOT / "callback_plugins"),
         "ANSIBLE_NOCOLOR": "1",
-        "SPARKFLEET_DRIFT_JSON": str(summary_path),
+        "SPARKFLEET_DRIFT_JSON": str(summary_path) if json_env is None else json_env,
     }
     command = [str(ANSIBLE_PLAYBOOK), "-i", str(tmp_path / "inventory.json"), str(tmp_path / "play.yml"), "--diff"]
     if check:
         command.append("--check")
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc, json.loads(summary_path.read_text())
+    return proc, json.loads(summary_path.read_text()) if summary_path.exists() else {}
 
 
 @pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
@@ -141,3 +143,13 @@ def test_check_diff_run_prints_one_line_per_host_and_changes_nothing(tmp_path: P
     assert any(line.startswith("beta ") and "in sync" in line for line in proc.stdout.splitlines())
     assert (managed / "alpha.txt").read_text() == "new\n"
     assert summary["check_mode"] is False
+
+
+@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+def test_no_json_path_writes_nothing_and_warns_nothing(tmp_path: Path) -> None:
+    """`make drift` sets SPARKFLEET_DRIFT_JSON='' when DRIFT_JSON is not given."""
+    proc, summary = run_drift(tmp_path, check=True, json_env="")
+    assert summary == {} and not (tmp_path / "drift.json").exists()
+    assert "2 of 2 host(s) would change" in proc.stdout  # nothing managed exists yet
+    for stream in (proc.stdout, proc.stderr):
+        assert "Is a directory" not in stream and "[WARNING]" not in stream, stream[-2000:]
