@@ -59,12 +59,7 @@ def say(message: str) -> None:
     print(f"smoke-prepare: {message}", flush=True)
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+sha256 = wheel_build.sha256_file
 
 
 def machine() -> tuple[wheel_closure.TargetMachine, dict[str, str]]:

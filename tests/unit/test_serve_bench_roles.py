@@ -398,9 +398,10 @@ def test_argument_specs_match_defaults(role: str) -> None:
             assert option.get("default") == defaults[name], name
 
 
-def load_prometheus_filter() -> Any:
-    path = ROOT / "roles" / "serve_health" / "filter_plugins" / "prometheus_text.py"
-    spec = importlib.util.spec_from_file_location("serve_health_prometheus_text", path)
+def load_health_filter(name: str) -> Any:
+    """One of serve_health's filter plugin files, imported as a module (no Ansible needed)."""
+    path = ROOT / "roles" / "serve_health" / "filter_plugins" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"serve_health_{name}", path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -408,7 +409,7 @@ def load_prometheus_filter() -> Any:
 
 
 def test_prometheus_sum_adds_every_label_set_and_skips_lookalikes() -> None:
-    module = load_prometheus_filter()
+    module = load_health_filter("prometheus_text")
     text = (
         HealthStub().metrics()
         + "vllm:spec_decode_num_drafts_total_other 99\nvllm:spec_decode_num_drafts_total 1 1700\n"
@@ -427,7 +428,7 @@ def test_prometheus_sum_adds_every_label_set_and_skips_lookalikes() -> None:
     ],
 )
 def test_prometheus_sum_names_bad_input(text: Any, name: str, fragment: str) -> None:
-    module = load_prometheus_filter()
+    module = load_health_filter("prometheus_text")
     with pytest.raises(module.AnsibleFilterError, match=fragment.replace("(", r"\(")):
         module.sparkfleet_prometheus_sum(text, name)
 
@@ -441,17 +442,8 @@ def test_payload_is_what_ops_bench_ships() -> None:
         assert f"serve_bench_package_src ~ '/{pattern}'" in role_vars["__serve_bench_payload"], pattern
 
 
-def load_greedy_filter() -> Any:
-    path = ROOT / "roles" / "serve_health" / "filter_plugins" / "greedy_check.py"
-    spec = importlib.util.spec_from_file_location("serve_health_greedy_check", path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_greedy_check_names_each_token_that_is_not_the_first_choice() -> None:
-    module = load_greedy_filter()
+    module = load_health_filter("greedy_check")
     stub = HealthStub(off_greedy=(0, 1.0))
     scored = stub.score(stub.PROMPT_IDS + stub.COMPLETION_IDS)
     result = module.sparkfleet_greedy_check(scored, len(stub.PROMPT_IDS), stub.COMPLETION_IDS, 0.05)
@@ -484,6 +476,6 @@ def test_greedy_check_names_each_token_that_is_not_the_first_choice() -> None:
     ],
 )
 def test_greedy_check_names_bad_input(logprobs: Any, prompt_len: int, completion: Any, fragment: str) -> None:
-    module = load_greedy_filter()
+    module = load_health_filter("greedy_check")
     with pytest.raises(module.AnsibleFilterError, match=fragment):
         module.sparkfleet_greedy_check(logprobs, prompt_len, completion)

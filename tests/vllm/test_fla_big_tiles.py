@@ -24,15 +24,13 @@ The module doubles as the subprocess driver: `python test_fla_big_tiles.py OUT.j
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.vllm.vllm_trees import build_vllm_tree
+from tests.vllm.vllm_trees import build_vllm_tree, run_tree_drivers
 
 pytestmark = pytest.mark.vllm
 
@@ -71,20 +69,9 @@ def picks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[
         "stock": build_vllm_tree(root / "stock", None),
         "patched": build_vllm_tree(root / "patched", PATCH),
     }
-    processes = {}
-    for tree, site in trees.items():
-        env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO_ROOT}")
-        env["TRITON_CACHE_DIR"] = str(root / f"triton-cache-{tree}")  # compile afresh, write nothing outside
-        command = [sys.executable, __file__, str(root / f"{tree}.json")]
-        if tree == "patched":
-            command.append("--compile")
-        processes[tree] = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    results = {}
-    for tree, process in processes.items():
-        output, _ = process.communicate(timeout=300)
-        assert process.returncode == 0, f"{tree} driver failed:\n{output.decode(errors='replace')[-8000:]}"
-        results[tree] = json.loads((root / f"{tree}.json").read_text())
-    return results
+    # compile afresh, write nothing outside
+    env = {tree: {"TRITON_CACHE_DIR": str(root / f"triton-cache-{tree}")} for tree in trees}
+    return run_tree_drivers(__file__, trees, root, args={"patched": ["--compile"]}, env=env)
 
 
 # --------------------------------------------------------------------------------------------------------

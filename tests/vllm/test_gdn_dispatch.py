@@ -25,15 +25,13 @@ The module doubles as the driver: ``python test_gdn_dispatch.py OUT.json``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.vllm.vllm_trees import build_vllm_tree
+from tests.vllm.vllm_trees import build_vllm_tree, run_tree_drivers
 
 pytestmark = pytest.mark.vllm
 
@@ -73,17 +71,7 @@ STOCK_STALE_REPLAY = {
 def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, dict[str, Any]]]:
     root = tmp_path_factory.mktemp("gdn_dispatch")
     trees = {"stock": build_vllm_tree(root / "stock", None), "patched": build_vllm_tree(root / "patched", PATCH)}
-    processes = {}
-    for tree, site in trees.items():
-        env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO_ROOT}")
-        command = [sys.executable, __file__, str(root / f"{tree}.json")]
-        processes[tree] = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    results = {}
-    for tree, process in processes.items():
-        output, _ = process.communicate(timeout=300)
-        assert process.returncode == 0, f"{tree} driver failed:\n{output.decode(errors='replace')[-8000:]}"
-        results[tree] = json.loads((root / f"{tree}.json").read_text())
-    return results
+    return run_tree_drivers(__file__, trees, root)
 
 
 @pytest.mark.parametrize("batch", sorted(BATCHES))

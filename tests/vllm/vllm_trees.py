@@ -8,13 +8,17 @@ applies them. Put it first on a child's PYTHONPATH.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def installed_vllm() -> Path:
@@ -62,3 +66,31 @@ def build_vllm_tree(dest: Path, patch: Path | list[Path] | None) -> Path:
         )
         assert result.returncode == 0, f"{patch.name} does not apply to the installed vllm:\n{result.stdout}"
     return site
+
+
+def run_tree_drivers(
+    driver: str,
+    trees: dict[str, Path],
+    root: Path,
+    *,
+    args: dict[str, list[str]] | None = None,
+    env: dict[str, dict[str, str]] | None = None,
+    timeout: float = 300,
+) -> dict[str, Any]:
+    """Run ``python DRIVER ROOT/<tree>.json [args]`` once per tree, side by side; each tree's JSON.
+
+    The tree's site goes first on the driver's PYTHONPATH (then the repository), so the driver
+    imports that tree's vllm; ``env`` adds variables per tree. A driver that fails fails the test
+    with the end of its output.
+    """
+    processes = {}
+    for tree, site in trees.items():
+        environment = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{REPO_ROOT}", **(env or {}).get(tree, {}))
+        command = [sys.executable, driver, str(root / f"{tree}.json"), *(args or {}).get(tree, [])]
+        processes[tree] = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    results = {}
+    for tree, process in processes.items():
+        output, _ = process.communicate(timeout=timeout)
+        assert process.returncode == 0, f"{tree} driver failed:\n{output.decode(errors='replace')[-8000:]}"
+        results[tree] = json.loads((root / f"{tree}.json").read_text())
+    return results
