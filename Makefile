@@ -52,7 +52,7 @@ help: ## List the targets
 
 # ---------------------------------------------------------------------------------------- set-up
 
-HOST_PACKAGES := debootstrap systemd-container iproute2 openssh-client rsync dpkg-dev patch python3-venv
+HOST_PACKAGES := debootstrap systemd-container iproute2 openssh-client rsync dpkg-dev patch python3-venv nftables
 .PHONY: host-deps
 host-deps: ## Install the controller's distribution packages (root; apt)
 	@missing=$$(for p in $(HOST_PACKAGES); do dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q '^install ok installed' || echo $$p; done); \
@@ -195,7 +195,7 @@ lint: $(VENV)/.stamp ## ansible-lint (production), yamllint --strict, ruff
 	$(VENV)/bin/ruff format --check .
 
 .PHONY: test-unit
-test-unit: $(VENV)/.stamp ## Fast tests: no vLLM, no sandbox
+test-unit: host-deps $(VENV)/.stamp ## Fast tests: no vLLM, no sandbox (host-deps: nft for the firewall ruleset check)
 	@date +"==> %T test-unit"
 	$(VENV)/bin/pytest -q --durations=5 -m "not vllm and not sandbox and not gpu" tests
 

@@ -32,7 +32,6 @@ def run(plugin: Any, **options: Any) -> dict[str, Any]:
 
 
 def test_pinned_drafter_unifies_and_bce6f76_does_not_on_stock(kv_lookup: Any) -> None:
-    pytest.importorskip("sparkfleet.kv_page_plan")
     good = run(
         kv_lookup,
         target_config=TARGET,
@@ -70,7 +69,6 @@ def test_without_the_planner_the_check_is_unavailable(kv_lookup: Any, monkeypatc
 
 
 def test_missing_config_names_the_path_and_the_variable(kv_lookup: Any, tmp_path: Path) -> None:
-    pytest.importorskip("sparkfleet.kv_page_plan")
     with pytest.raises(
         AnsibleLookupError,
         match=r"drafter_config .*nope/config.json does not exist.*"
@@ -85,7 +83,6 @@ def test_missing_config_names_the_path_and_the_variable(kv_lookup: Any, tmp_path
 
 
 def test_a_config_that_is_not_an_object_is_refused(kv_lookup: Any, tmp_path: Path) -> None:
-    pytest.importorskip("sparkfleet.kv_page_plan")
     listed = tmp_path / "config.json"
     listed.write_text(json.dumps([1, 2]))
     with pytest.raises(AnsibleLookupError, match="holds a list, not an object"):
