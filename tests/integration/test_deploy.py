@@ -66,8 +66,12 @@ def test_the_service_runs_unprivileged_and_hardened(deployed, sandbox_hosts, san
     user = sandbox_fleet.ssh(host, f"systemctl show -p User --value {UNIT}").stdout.strip()
     assert user == "vllm"
     pid = sandbox_fleet.ssh(host, f"systemctl show -p MainPID --value {UNIT}").stdout.strip()
-    uid = sandbox_fleet.ssh(host, f"stat -c %u /proc/{pid}").stdout.strip()
-    assert uid != "0"
+    assert pid.isdigit() and pid != "0", f"{host}: MainPID {pid!r}"
+    owner = sandbox_fleet.ssh(host, f"stat -c %u /proc/{pid}")
+    vllm_uid = sandbox_fleet.ssh(host, "id -u vllm")
+    assert owner.returncode == 0 and vllm_uid.returncode == 0, owner.stderr + vllm_uid.stderr
+    # the main process runs as the service user, whose uid is not root's
+    assert owner.stdout.strip() == vllm_uid.stdout.strip() != "0"
     env_mode = sandbox_fleet.ssh(host, "stat -c '%a %U' /etc/sparkfleet/vllm-dflash.env").stdout.strip()
     assert env_mode == "600 vllm"
     props = sandbox_fleet.ssh(host, f"systemctl show -p NoNewPrivileges -p ProtectSystem -p Restart {UNIT}").stdout

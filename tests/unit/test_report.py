@@ -58,10 +58,24 @@ def test_bar_heights_are_proportional_to_values() -> None:
     assert len(heights) == 2 and heights[1] == pytest.approx(3 * heights[0], rel=0.05)
 
 
+def colour_columns(rows: list[bytes], colour: tuple[int, int, int]) -> set[int]:
+    """The x of every column holding at least one pixel of ``colour``."""
+    width = len(rows[0]) // 3
+    return {x for x in range(width) if any(row[x * 3 : x * 3 + 3] == bytes(colour) for row in rows)}
+
+
 def test_line_chart_draws_each_series_and_skips_gaps() -> None:
     png = png_charts.line_chart("t", ["1", "2", "3"], [("a", [1.0, None, 3.0]), ("b", [2.0, 2.0, 2.0])], "y")
     _, _, rows = decode_png(png)
     assert count_color(rows, png_charts.PALETTE[0]) > 0 and count_color(rows, png_charts.PALETTE[1]) > 0
+    # The gap: series a has no point at "2", so nothing of its colour joins its two points, while the
+    # same series without the gap is drawn across.
+    full = png_charts.line_chart("t", ["1", "2", "3"], [("a", [1.0, 2.0, 3.0]), ("b", [2.0, 2.0, 2.0])], "y")
+    gap_columns = colour_columns(rows, png_charts.PALETTE[0])
+    full_columns = colour_columns(decode_png(full)[2], png_charts.PALETTE[0])
+    middle = (min(full_columns) + max(full_columns)) // 2
+    assert middle in full_columns and middle not in gap_columns
+    assert min(gap_columns) < middle < max(gap_columns)  # both points of a are drawn
 
 
 def test_font_and_text_rendering() -> None:
