@@ -73,7 +73,7 @@ def test_the_service_runs_unprivileged_and_hardened(deployed, sandbox_hosts, san
     # the main process runs as the service user, whose uid is not root's
     assert owner.stdout.strip() == vllm_uid.stdout.strip() != "0"
     env_mode = sandbox_fleet.ssh(host, "stat -c '%a %U' /etc/sparkfleet/vllm-dflash.env").stdout.strip()
-    assert env_mode == "600 vllm"
+    assert env_mode == "600 root"  # systemd reads it as root; the service user can neither read nor change it
     props = sandbox_fleet.ssh(host, f"systemctl show -p NoNewPrivileges -p ProtectSystem -p Restart {UNIT}").stdout
     assert "NoNewPrivileges=yes" in props and "ProtectSystem=strict" in props and "Restart=on-failure" in props
     environment = sandbox_fleet.ssh(host, f"systemctl show -p Environment --value {UNIT}").stdout

@@ -156,7 +156,7 @@ def test_binding_beyond_loopback_without_a_key_is_refused(host: Host) -> None:
     assert f"127.0.0.1:{PORT}" in host.sh(f"ss -Hltn 'sport = :{PORT}'")
 
 
-def test_beyond_loopback_only_keyed_requests_get_in(host: Host, sandbox_fleet) -> None:
+def test_beyond_loopback_only_keyed_requests_get_in(host: Host, sandbox_fleet, tmp_path) -> None:
     other = next(name for name in sandbox_fleet.names if name != host.name)
     exposed = deploy(host.name, "-e", json.dumps({"sparkfleet_api_host": "0.0.0.0", "sparkfleet_api_key": API_KEY}))
     assert exposed.returncode == 0, exposed.output[-4000:]
@@ -166,9 +166,34 @@ def test_beyond_loopback_only_keyed_requests_get_in(host: Host, sandbox_fleet) -
     assert http_status(sandbox_fleet, None, url, "not-the-key") == "401"
     assert http_status(sandbox_fleet, None, url, API_KEY) == "200"
     assert http_status(sandbox_fleet, other, url, API_KEY) == "200"
-    # the secret is in the 0600 env file, not in the world-readable unit
+    # the health gate sends the key with every check (as `make health` does): it must leave no trace,
+    # not even in Ansible's most verbose output
+    secret_vars = tmp_path / "secret-vars.json"  # as Vault would hand it over: not on the command line
+    secret_vars.write_text(json.dumps({"sparkfleet_api_key": API_KEY}), encoding="utf-8")
+    secret_vars.chmod(0o600)
+    checked = run_playbook("playbooks/health.yml", "-vvv", "--limit", host.name, "-e", f"@{secret_vars}", timeout=600)
+    assert checked.returncode == 0, checked.output[-4000:]
+    # the secret is only in the root-owned 0600 env file systemd reads: not in the world-readable
+    # unit, the journal (modules log their arguments there unless told not to), the process table,
+    # Ansible's output, or any other file of the host's state and temporary directories
     assert API_KEY not in host.sh(f"cat {UNIT_PATH}")
-    assert host.sh("stat -c '%a %U' /etc/sparkfleet/vllm-dflash.env") == "600 vllm"
+    assert host.sh("stat -c '%a %U %G' /etc/sparkfleet/vllm-dflash.env") == "600 root root"
+    for output in (exposed.output, checked.output):
+        assert API_KEY not in output
+    assert host.sh(f"journalctl --no-pager -o cat | grep -c -F {API_KEY} || true") == "0"
+    # every process's argv (the key hex-encoded in this probe's own, so that it does not count itself)
+    argv_probe = "\n".join(
+        [
+            f"import os; k = bytes.fromhex({API_KEY.encode().hex()!r}); n = 0",
+            "for p in filter(str.isdigit, os.listdir('/proc')):",
+            "    try: n += k in open(f'/proc/{p}/cmdline', 'rb').read()",
+            "    except OSError: pass",
+            "print(n)",
+        ]
+    )
+    assert host.sh(f"python3 -c {shlex.quote(argv_probe)}") == "0"
+    holders = host.sh(f"grep -rlF {API_KEY} /etc /var/lib/sparkfleet /run /tmp /var/tmp 2>/dev/null || true").split()
+    assert holders == ["/etc/sparkfleet/vllm-dflash.env"], holders
 
 
 def test_the_allow_list_drops_unlisted_clients(host: Host, sandbox_fleet) -> None:
