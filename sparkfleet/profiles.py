@@ -15,12 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from sparkfleet import profile_schema
 
 PROFILE_KEYS_REQUIRED = ("target", "serve_args")
 
@@ -91,6 +94,17 @@ def resolve(
     ``env`` (all values as strings).
     """
     spec = get_profile(profiles, name)
+    problems = profile_schema.profile_problems(name, spec)
+    for layer_name, layer in (
+        ("sparkfleet_serve_args_common", serve_args_common),
+        ("sparkfleet_serve_args_platform", serve_args_platform),
+        ("sparkfleet_serve_args_host", serve_args_host),
+    ):
+        problems += profile_schema.serve_arg_problems(layer_name, layer or {})
+    for layer_name, layer in (("sparkfleet_env_common", env_common), ("sparkfleet_env_platform", env_platform)):
+        problems += profile_schema.env_problems(layer_name, layer or {})
+    if problems:
+        raise ProfileError("; ".join(problems))
     args: dict[str, Any] = {}
     for layer in (serve_args_common, spec.get("serve_args"), serve_args_platform, serve_args_host):
         args.update(layer or {})
@@ -251,6 +265,19 @@ def speculative_config(resolved: Mapping[str, Any], drafter_path: str | None) ->
 # -- reading an inventory the way Ansible does, for the Makefile's early check ------------------
 
 
+def load_yaml(path: Path) -> Any:
+    """A YAML file's data; a syntax error is one ProfileError line naming file, line and column."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = " ".join(part for part in (exc.context, exc.problem) if part)
+        raise ProfileError(f"{where}: YAML syntax error: {what}: fix the file (or restore it from git)") from None
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: YAML error: {exc}".replace("\n", " ")) from None
+
+
 def load_group_vars_all(inventory: Path) -> dict[str, Any]:
     """Variables of group ``all`` in an inventory directory: its group_vars/all.yml or
     group_vars/all/*.yml in name order (symlinks followed), later files replacing earlier keys."""
@@ -263,7 +290,7 @@ def load_group_vars_all(inventory: Path) -> dict[str, Any]:
         files += sorted(p for p in (gv / "all").iterdir() if p.suffix in {".yml", ".yaml"} and p.is_file())
     merged: dict[str, Any] = {}
     for path in files:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path) or {}
         if not isinstance(data, dict):
             raise ProfileError(f"{path}: expected a mapping of variables")
         merged.update(data)
@@ -304,6 +331,31 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"sparkfleet: {line}", file=sys.stderr)
     if problems:
         return 2
+    if args.vllm_python:
+        # The deeper check: vLLM's own parser and SpeculativeConfig's validators, in a vLLM venv.
+        spec_json = speculative_config(resolved, "/drafter" if resolved.get("drafter") else None)
+        argv = ["/model", *serve_argv(resolved["serve_args"])] + (
+            ["--speculative-config", spec_json] if spec_json else []
+        )
+        root = str(Path(__file__).resolve().parents[1])
+        proc = subprocess.run(
+            [args.vllm_python, "-m", "sparkfleet.vllm_schema", "--argv", "--", *argv],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        lines = [line for line in proc.stderr.splitlines() if line.startswith("sparkfleet: ")]
+        for line in lines:
+            print(f"{line} (profile {args.name!r})", file=sys.stderr)
+        if proc.returncode != 0:
+            if not lines:
+                print(
+                    f"sparkfleet: {args.vllm_python} could not check the argv (exit {proc.returncode}): "
+                    f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}",
+                    file=sys.stderr,
+                )
+            return 2
     if args.show:
         print(yaml.safe_dump(resolved, sort_keys=False), end="")
     return 0
@@ -329,6 +381,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     check.add_argument("name")
     check.add_argument("--inventory", default="inventory/sandbox")
     check.add_argument("--show", action="store_true", help="print the resolved profile")
+    check.add_argument(
+        "--vllm-python",
+        metavar="PYTHON",
+        help="also parse the rendered argv with vLLM's own parser, with this vLLM venv's python (loads no weights)",
+    )
     check.set_defaults(func=_cmd_check)
     lst = sub.add_parser("list", help="the profiles an inventory knows")
     lst.add_argument("--inventory", default="inventory/sandbox")
