@@ -48,6 +48,8 @@ PASSING_VARS: dict[str, Any] = {
     "spark_preflight_required_memory_gib": 1,
     "spark_preflight_required_disk_gib": 1,
     "spark_preflight_kv_plan": {},
+    # the serving port: free, or held by this host's own sparkfleet-vllm unit (both pass)
+    "spark_preflight_ports": [8000],
 }
 # After the preflight: nvidia_driver managing the GPU settings (the install phase is skipped with
 # --skip-tags; the sandbox has no NVIDIA repository). Repo values only satisfy its input check.
@@ -235,6 +237,26 @@ def test_refused_before_anything_changes(spark: Host, case: str) -> None:
     assert "spark_preflight : Assert" in run.output.split("FAILED!")[0].rsplit("TASK [", 1)[-1]
     assert spark.snapshot() == before
     assert spark.gpu_state() == state_before  # no -pm / -lgc reached the GPU
+
+
+def test_a_port_taken_by_another_process_is_named_before_anything_changes(spark: Host) -> None:
+    squatter = "sparkfleet-test-squatter"
+    spark.sh(f"systemd-run --unit={squatter} python3 -m http.server 8011 --bind 127.0.0.1")
+    try:
+        spark.sh("for i in $(seq 100); do ss -Htln 'sport = :8011' | grep -q . && exit 0; sleep 0.1; done; exit 1")
+        before = spark.snapshot()
+        run = play(spark.name, {**PASSING_VARS, **DRIVER_VARS, "spark_preflight_ports": [8000, 8011]}, *SKIP_INSTALL)
+        assert_refused(
+            run,
+            spark.name,
+            "port 8011 is taken by python3 (pid ",
+            f"unit {squatter}.service)",
+            "stop it, or serve on a free port (sparkfleet_api_port)",
+        )
+        assert "port 8000" not in run.output  # this host's own serving unit may hold its port
+        assert spark.snapshot() == before
+    finally:
+        spark.sh(f"systemctl stop {squatter} || true")
 
 
 def test_kv_plan_with_the_pinned_drafter_passes(spark: Host) -> None:
