@@ -141,6 +141,8 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     env = dict(
         os.environ,
         VLLM_CPU_KVCACHE_SPACE="1",
+        # the CPU sampler's torch.compile of its random-sampling helper costs ~24 s a start (eager: same math)
+        TORCHDYNAMO_DISABLE="1",
         VLLM_CACHE_ROOT=str(cache),
         HF_HUB_OFFLINE="1",
         PYTHONPATH=os.pathsep.join(p for p in (vllm_path, os.environ.get("PYTHONPATH", "")) if p),

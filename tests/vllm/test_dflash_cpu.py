@@ -134,6 +134,8 @@ def start_server(site: Path, model: Path, port: int, log: Path, cache: Path, ext
     env.update(
         PYTHONPATH=str(site),
         VLLM_CPU_KVCACHE_SPACE="1",
+        # the CPU sampler's torch.compile of its random-sampling helper costs ~24 s a start (eager: same math)
+        TORCHDYNAMO_DISABLE="1",
         VLLM_CACHE_ROOT=str(cache),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
