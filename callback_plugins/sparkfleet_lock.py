@@ -88,6 +88,7 @@ class CallbackModule(CallbackBase):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         wait = float(self.get_option("wait") or 0)
         deadline = time.monotonic() + wait
+        where = ", ".join(inventories)
         announced = False
         while True:
             try:
@@ -99,7 +100,6 @@ class CallbackModule(CallbackBase):
                 if exc.errno not in (errno.EACCES, errno.EAGAIN):
                     raise
                 holder = self._read(fd)
-                where = ", ".join(inventories)
                 if time.monotonic() >= deadline:
                     os.close(fd)
                     self._display.error(

@@ -10,18 +10,12 @@ the nearest valid one; each problem is one line that names the profile, the key 
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-import yaml
-
-from sparkfleet import vllm_schema
-
-SERIES_FILE = (
-    Path(__file__).resolve().parents[1] / "files" / "patches" / f"vllm-{vllm_schema.VLLM_VERSION}" / "series.yml"
-)
+from sparkfleet import vllm_schema, wheel_build
 
 # Flags sparkfleet renders itself from other settings; a profile setting them would be a second value.
 OWNED_FLAGS = {
@@ -52,10 +46,11 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, NUMBER) and not isinstance(value, bool)
 
 
+@functools.cache
 def patch_names() -> list[str]:
-    """The patch names a profile may list: the series' patches without their NNNN- prefix."""
-    series = yaml.safe_load(SERIES_FILE.read_text())
-    return [re.sub(r"^\d{4}-", "", patch["name"]) for patch in series["patches"]]
+    """The patch names a profile may list: the main series' patches without their NNNN- prefix."""
+    series = wheel_build.load_series(wheel_build.DEFAULT_MAIN_SERIES)
+    return [re.sub(r"^\d{4}-", "", patch.name) for patch in series.patches]
 
 
 def _check_mapping(where: str, value: Any) -> str | None:
@@ -105,7 +100,7 @@ def serve_arg_problems(where: str, args: Any) -> list[str]:
             isinstance(value, int) or (isinstance(value, str) and value.lstrip("-").isdigit())
         ):
             found.append(f"{at}: --{flag} takes an integer, not {value!r}")
-        elif spec["type"] == "float" and not (_is_number(value) or _parses_float(value)):
+        elif spec["type"] == "float" and not _parses_float(value):  # bools and containers were refused above
             found.append(f"{at}: --{flag} takes a number, not {value!r}")
         elif "choices" in spec and str(value) not in spec["choices"]:
             found.append(f"{at}: {value!r} is not one of {', '.join(spec['choices'])}")
@@ -171,6 +166,9 @@ def _numbers(where: str, value: Any) -> list[str]:
     return [f"{where}.{k}: must be a number, got {v!r}" for k, v in value.items() if not _is_number(v)]
 
 
+HEALTH_KEYS = ["min_acceptance_length", "tool_call_expect_name"]
+
+
 def _health(where: str, value: Any) -> list[str]:
     bad = _check_mapping(where, value)
     if bad:
@@ -187,9 +185,6 @@ def _health(where: str, value: Any) -> list[str]:
         else:
             found.append(f"{at}: not a health key: {_nearest(key, HEALTH_KEYS)}")
     return found
-
-
-HEALTH_KEYS = ["min_acceptance_length", "tool_call_expect_name"]
 
 
 def env_problems(where: str, value: Any) -> list[str]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import functools
 import json
 import sys
 import types
@@ -176,14 +177,11 @@ def check_argv(argv: list[str]) -> list[str]:
 
 # -- reading the JSON (no vLLM) ----------------------------------------------------------------
 
-_LOADED: dict[str, Any] | None = None
 
-
+@functools.cache
 def load() -> dict[str, Any]:
-    global _LOADED  # noqa: PLW0603 - read once per process
-    if _LOADED is None:
-        _LOADED = json.loads(SCHEMA_FILE.read_text())
-    return _LOADED
+    """The recorded schema, read once per process."""
+    return json.loads(SCHEMA_FILE.read_text())
 
 
 def main(argv: list[str] | None = None) -> int:
