@@ -14,6 +14,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from sparkfleet import profiles as _profiles  # noqa: E402
+from sparkfleet import unit_state as _unit_state  # noqa: E402
 
 
 def sparkfleet_profile(
@@ -81,6 +82,18 @@ def sparkfleet_systemd_args(argv: list[str]) -> str:
     return _profiles.systemd_exec_args(argv)
 
 
+def sparkfleet_unit_state(show: str, unit: str, journal: list[str] | None = None) -> dict[str, Any]:
+    """``show_stdout | sparkfleet_unit_state(unit, journal_lines)``: {running, word, text} of a unit from
+    ``systemctl show`` output and its journal lines (sparkfleet.unit_state)."""
+    state = _unit_state.describe(unit, _unit_state.parse_show(show), journal or [])
+    return {"unit": state.unit, "running": state.running, "word": state.word, "text": state.text}
+
+
+def sparkfleet_last_error(journal: list[str]) -> str:
+    """``journal_lines | sparkfleet_last_error``: the journal's last line that says what went wrong."""
+    return _unit_state.last_error(journal or [])
+
+
 class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
@@ -92,4 +105,6 @@ class FilterModule:
             "sparkfleet_serve_argv": sparkfleet_serve_argv,
             "sparkfleet_speculative_config": sparkfleet_speculative_config,
             "sparkfleet_systemd_args": sparkfleet_systemd_args,
+            "sparkfleet_unit_state": sparkfleet_unit_state,
+            "sparkfleet_last_error": sparkfleet_last_error,
         }

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import getpass
 import json
 import re
 import shlex
@@ -41,6 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
+
+from sparkfleet import unit_state
 
 DEFAULT_INVENTORY = "inventory/sandbox"
 DEFAULT_HOST_PATTERN = "spark"  # the group the playbooks target (sparkfleet_hosts defaults to it)
@@ -81,13 +84,22 @@ report["unit_name"] = unit
 env = dict(os.environ, LC_ALL="C", SYSTEMD_PAGER="", SYSTEMD_COLORS="0")
 try:
     shown = subprocess.run(
-        ["systemctl", "show", unit, "--property=LoadState,ActiveState,SubState,NRestarts"],
+        ["systemctl", "show", unit, "--property=LoadState,ActiveState,SubState,Result,NRestarts,ExecMainStatus"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, env=env, timeout=30)
     report["unit"] = dict(line.split("=", 1) for line in shown.stdout.splitlines() if "=" in line)
     if shown.returncode:
         report["unit"]["error"] = shown.stderr.strip() or "systemctl show exited %d" % shown.returncode
 except (OSError, subprocess.SubprocessError) as exc:
     report["unit"] = {"error": str(exc)}
+report["journal"] = []
+if report["unit"].get("ActiveState") != "active" and not report["unit"].get("error"):
+    try:
+        report["journal"] = subprocess.run(
+            ["journalctl", "--no-pager", "-o", "cat", "-n", "80", "-u", unit],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, universal_newlines=True, env=env,
+            timeout=30).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        pass
 host = str(state.get("host") or "127.0.0.1")
 if host in ("0.0.0.0", "::", ""):
     host = "127.0.0.1"
@@ -590,9 +602,10 @@ def status_row(host: FleetHost, probe: dict[str, Any]) -> tuple[bool, dict[str, 
         unit_text = load
         problems.append(f"unit {probe.get('unit_name')} {load}")
     else:
-        unit_text = f"{active}/{sub}"
-        if active != "active":
-            problems.append(f"unit {probe.get('unit_name')} {active}")
+        described = unit_state.describe(str(probe.get("unit_name")), unit, probe.get("journal") or [])
+        unit_text = f"{active}/{sub}" if described.word in ("running", "starting", "unknown") else described.word
+        if not described.running:
+            problems.append(described.text)
     served_name = str(state.get("served_model_name") or host.served_model_name)
     healthy, health_text = health_summary(probe, served_name)
     model, drafter = served_revisions(state)
@@ -683,6 +696,17 @@ def logs_operation(lines: int, since: str | None) -> HostOperation:
 # ---------------------------------------------------------------------------------------- restart
 
 
+def restart_command(unit: str, host_lock: str | None) -> str:
+    """The shell command that restarts unit on a host: under its host lock (sparkfleet-host-lock, which
+    refuses while another operation restarts the host, naming it) where the deploy installed one, and
+    after ``systemctl reset-failed`` (a unit systemd stopped restarting refuses a plain start)."""
+    restart = f"systemctl reset-failed {shlex.quote(unit)} 2>/dev/null; exec systemctl restart {shlex.quote(unit)}"
+    if not host_lock:
+        return f"sh -c {shlex.quote(restart)}"
+    holder = f"{getpass.getuser()}@{socket.gethostname()} sparkfleet ops restart"
+    return shlex.join([host_lock, "--holder", holder, "--", "/bin/sh", "-c", restart])
+
+
 def restart_operation(timeout: float) -> HostOperation:
     def operation(host: FleetHost, connection: Any) -> HostOutcome:
         unit, probe = unit_of(host, connection)
@@ -690,7 +714,8 @@ def restart_operation(timeout: float) -> HostOperation:
         if load != "loaded":
             return HostOutcome(host.name, False, f"unit {unit} is {load or 'unknown'}; deploy the host first")
         started = time.monotonic()
-        run_remote(connection, privileged(host, shlex.join(["systemctl", "restart", unit])), timeout=timeout + 30)
+        state = probe.get("state") if isinstance(probe.get("state"), dict) else {}
+        run_remote(connection, privileged(host, restart_command(unit, state.get("host_lock"))), timeout=timeout + 30)
         base_url = str(probe.get("base_url") or f"http://127.0.0.1:{host.api_port}")
         remaining = max(5.0, timeout - (time.monotonic() - started))
         result = connection.run(

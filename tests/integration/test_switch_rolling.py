@@ -111,6 +111,51 @@ def test_failed_switch_rolls_back_and_says_so(converged_fleet, sandbox_fleet, in
     assert health.returncode == 0, health.output[-3000:]
 
 
+def unit_sha(fleet, host: str, unit: str) -> str:
+    out = fleet.ssh(host, f"sha256sum /etc/systemd/system/{unit}")
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()[0]
+
+
+def test_a_deploy_whose_gate_fails_goes_back_to_the_last_good_unit(
+    converged_fleet, sandbox_fleet, inventory_with_host_vars
+) -> None:
+    """`make deploy` rolls back like a switch: the new unit fails its start, the host is put back on
+    the unit, weights and state of its last good deploy, and the run fails saying so."""
+    host = sandbox_fleet.names[-1]
+    before = {"state": state(sandbox_fleet, host), "unit": unit_sha(sandbox_fleet, host, DFLASH)}
+    pid_before = main_pid(sandbox_fleet, host, DFLASH)
+    inv = inventory_with_host_vars(host, {"sparkfleet_serve_args_host": BROKEN})
+    failed = run_playbook("-i", inv, "site.yml", "--limit", host, "-e", "sparkfleet_profile=dflash")
+    assert failed.returncode != 0
+    assert "deploying profile dflash failed at" in failed.output, failed.output[-4000:]
+    assert "ROLLED BACK to its last good state: profile dflash" in failed.output, failed.output[-4000:]
+    # the broken unit was written and started (a real failure, not a refusal), then replaced
+    assert f"last error of {DFLASH}:" in failed.output and "1000000" in failed.output, "vLLM's own refusal"
+    assert unit_sha(sandbox_fleet, host, DFLASH) == before["unit"]
+    assert state(sandbox_fleet, host) == before["state"]
+    assert active(sandbox_fleet, host, DFLASH) == "active"
+    assert main_pid(sandbox_fleet, host, DFLASH) not in ("", "0", pid_before), "restarted on the good unit"
+
+
+def test_a_deploy_refused_by_preflight_rolls_nothing_back_and_restarts_nothing(converged_fleet, sandbox_fleet) -> None:
+    """A failure before weights or unit are touched (here: the port is sshd's) is reported as such; the
+    server is not restarted by a rollback it does not need."""
+    host = sandbox_fleet.names[-1]
+    pid_before = main_pid(sandbox_fleet, host, DFLASH)
+    unit_before = unit_sha(sandbox_fleet, host, DFLASH)
+    refused = run_playbook(
+        "site.yml", "--limit", host, "-e", "sparkfleet_profile=dflash", "-e", "sparkfleet_api_port=22"
+    )
+    assert refused.returncode != 0
+    assert "port 22" in refused.output and "sshd" in refused.output, refused.output[-4000:]
+    assert "Nothing of the serving stack (weights, unit) was changed before it failed" in refused.output
+    assert "ROLLED BACK" not in refused.output
+    assert refused.changed()[host] == 0, refused.output[-3000:]
+    assert main_pid(sandbox_fleet, host, DFLASH) == pid_before
+    assert unit_sha(sandbox_fleet, host, DFLASH) == unit_before
+
+
 def measure_quick_baselines(host: str, tmp_path: Path) -> dict[str, float]:
     """The dflash profile's quick acceptance figures measured now on `host` (what `make bench QUICK=1`
     records). They are set by the CPU's numerics: the inventory's baselines hold on the machine they
