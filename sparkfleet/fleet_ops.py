@@ -106,9 +106,17 @@ if host in ("0.0.0.0", "::", ""):
 base = "http://%s:%s" % ("[%s]" % host if ":" in host else host, state.get("port") or fallback_port)
 report["base_url"] = base
 opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+headers = {}
+try:  # a keyed server guards /v1: the key is in the unit's root-only secrets file, read here as root
+    with open(state.get("secrets_file") or "/nonexistent", encoding="utf-8") as handle:
+        for line in handle:
+            if line.startswith("VLLM_API_KEY=") and line.strip()[13:]:
+                headers["Authorization"] = "Bearer " + line.strip()[13:]
+except OSError:
+    pass
 def get(path):
     try:
-        with opener.open(base + path, timeout=10) as response:
+        with opener.open(urllib.request.Request(base + path, headers=headers), timeout=10) as response:
             return {"status": response.status, "body": response.read(65536).decode("utf-8", "replace")}
     except urllib.error.HTTPError as exc:
         return {"status": exc.code, "body": ""}
@@ -850,6 +858,8 @@ def bench_command(host: FleetHost, probe: dict[str, Any], options: BenchOptions,
             argv += [flag, str(revisions[name])]
     if options.ignore_eos:
         argv.append("--ignore-eos")
+    if state.get("secrets_file"):  # the key is read there, as root, never passed in argv
+        argv += ["--api-key-file", str(state["secrets_file"])]
     q = shlex.quote
     command = (
         f"mkdir -p {q(bench_dir)} && cd {q(lib_dir)} && PYTHONPATH={q(lib_dir)} {shlex.join(argv)} && "

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkfleet.bench import results as res
-from sparkfleet.bench.http_client import BenchHTTPError, OpenAIServer
+from sparkfleet.bench.http_client import BenchHTTPError, OpenAIServer, read_api_key
 from sparkfleet.bench.workloads import DECODE_WORKLOADS, E2E_WORKLOAD, SHAREGPT_DATASET, WorkloadError
 
 SNAPSHOT_REVISION = re.compile(r"/snapshots/([0-9a-f]{40})(?:/|$)")
@@ -68,6 +68,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baselines", help="JSON object or file of figure -> baseline, e.g. '{\"e2e_tok_s\": 53.7}'")
     parser.add_argument("--tolerance-pct", type=float, default=5.0, help="allowed regression in %% (default 5)")
     parser.add_argument("--quiet", action="store_true", help="no per-request progress on stderr")
+    parser.add_argument(
+        "--api-key-file",
+        help="file holding the server's API key (the bare key, or VLLM_API_KEY=... as in the unit's secrets file); "
+        "never pass the key itself on the command line",
+    )
 
 
 def add_bench_subcommands(sub: Any) -> None:
@@ -182,7 +187,7 @@ def run_decode_command(args: argparse.Namespace) -> int:
     from sparkfleet.bench.decode import run_decode_bench
     from sparkfleet.bench.workloads import load_workload
 
-    server = OpenAIServer(args.base_url)
+    server = OpenAIServer(args.base_url, api_key=read_api_key(args.api_key_file))
     names = [name.strip() for name in args.workloads.split(",") if name.strip()]
     workloads = [load_workload(name, args.max_tokens_scale, args.max_requests) for name in names]
     model, root, revision = _identity(args, server)
@@ -208,7 +213,7 @@ def run_e2e_command(args: argparse.Namespace) -> int:
     from sparkfleet.bench.e2e import run_e2e_bench
     from sparkfleet.bench.workloads import load_workload
 
-    server = OpenAIServer(args.base_url)
+    server = OpenAIServer(args.base_url, api_key=read_api_key(args.api_key_file))
     workload = load_workload(args.workload, args.max_tokens_scale)
     model, root, revision = _identity(args, server)
     settings = {
@@ -230,7 +235,7 @@ def run_e2e_command(args: argparse.Namespace) -> int:
 def run_serving_command(args: argparse.Namespace) -> int:
     from sparkfleet.bench.serving import run_serving_bench
 
-    server = OpenAIServer(args.base_url)
+    server = OpenAIServer(args.base_url, api_key=read_api_key(args.api_key_file))
     model, root, revision = _identity(args, server)
     settings = {
         "dataset": Path(args.dataset).name,
@@ -254,6 +259,7 @@ def run_serving_command(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         seed=args.seed,
         vllm_command=shlex.split(args.vllm_command) if args.vllm_command else None,
+        api_key=server.api_key,
     )
     result.update(figures=figures, details=details, client_cpu=cpu)
     return _finish(result, args)

@@ -77,10 +77,32 @@ class StreamedCompletion:
         return decode_s / self.tokens_in_window
 
 
-class OpenAIServer:
-    """A vLLM OpenAI-compatible server at ``base_url`` (e.g. ``http://127.0.0.1:8000``)."""
+# Names a key file may give the API key under (the unit's secrets file says VLLM_API_KEY=).
+API_KEY_NAMES = ("VLLM_API_KEY", "OPENAI_API_KEY")
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0) -> None:
+
+def read_api_key(path: str | None) -> str | None:
+    """The API key in ``path``: the file is either the bare key or ``NAME=value`` lines (the unit's
+    root-only secrets file, VLLM_API_KEY=...); None for no path or a file without a key. The key
+    comes from a file, never from argv, so that no process table shows it."""
+    if not path:
+        return None
+    with open(path, encoding="utf-8") as handle:
+        lines = [line.strip() for line in handle if line.strip() and not line.lstrip().startswith("#")]
+    if len(lines) == 1 and "=" not in lines[0]:
+        return lines[0]
+    values = dict(line.split("=", 1) for line in lines if "=" in line)
+    for name in API_KEY_NAMES:
+        if values.get(name, "").strip().strip("'\""):
+            return values[name].strip().strip("'\"")
+    return None
+
+
+class OpenAIServer:
+    """A vLLM OpenAI-compatible server at ``base_url`` (e.g. ``http://127.0.0.1:8000``); with
+    ``api_key``, every request carries ``Authorization: Bearer <key>`` (vLLM guards /v1 with it)."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
         parsed = urllib.parse.urlparse(base_url)
         if parsed.scheme not in ("http", "https") or not parsed.hostname:
             raise ValueError(f"base URL {base_url!r} is not http(s)://HOST:PORT; e.g. http://127.0.0.1:8000")
@@ -89,6 +111,10 @@ class OpenAIServer:
         self.base_url = base_url.rstrip("/")
         self.parsed = urllib.parse.urlparse(self.base_url)
         self.timeout_s = timeout_s
+        self.api_key = api_key
+
+    def _headers(self, **extra: str) -> dict[str, str]:
+        return {**extra, **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
 
     def _connection(self) -> http.client.HTTPConnection:
         port = self.parsed.port
@@ -98,7 +124,8 @@ class OpenAIServer:
 
     def get_json(self, path: str) -> Any:
         try:
-            with urllib.request.urlopen(self.base_url + path, timeout=30) as response:
+            request = urllib.request.Request(self.base_url + path, headers=self._headers())
+            with urllib.request.urlopen(request, timeout=30) as response:
                 return json.loads(response.read().decode("utf-8"))
         except urllib.error.HTTPError as exc:
             raise BenchHTTPError(f"GET {path} answered HTTP {exc.code}") from exc
@@ -106,7 +133,9 @@ class OpenAIServer:
     def post_json(self, path: str, body: dict[str, Any]) -> Any:
         connection = self._connection()
         try:
-            connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+            connection.request(
+                "POST", path, body=json.dumps(body), headers=self._headers(**{"Content-Type": "application/json"})
+            )
             response = connection.getresponse()
             payload = response.read().decode("utf-8")
             if response.status != 200:
@@ -163,7 +192,7 @@ class OpenAIServer:
                 "POST",
                 "/v1/chat/completions",
                 body=json.dumps(body),
-                headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+                headers=self._headers(**{"Content-Type": "application/json", "Accept": "text/event-stream"}),
             )
             response = connection.getresponse()
             if response.status != 200:

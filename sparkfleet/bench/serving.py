@@ -15,6 +15,7 @@ taken around the run. Flags used, as vLLM 0.23's ``vllm/benchmarks/serve.py`` an
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -140,8 +141,10 @@ def run_serving_bench(
     seed: int = 0,
     vllm_command: list[str] | None = None,
     timeout_s: float = 3600.0,
+    api_key: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Run ``vllm bench serve``; return (figures, details, client_cpu)."""
+    """Run ``vllm bench serve``; return (figures, details, client_cpu). With ``api_key``, vLLM's client
+    gets it in its environment (OPENAI_API_KEY, which it sends as the bearer token), not in argv."""
     if not Path(dataset_path).is_file():
         raise ServingBenchError(f"dataset {dataset_path!r} not found; pass a ShareGPT-format JSON file")
     with tempfile.TemporaryDirectory(prefix="sparkfleet-serve-") as result_dir:
@@ -163,7 +166,8 @@ def run_serving_bench(
         )
         before = prom.fetch_metrics(base_url)
         with CpuMeter(include_children=True) as cpu:
-            completed = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+            env = {**os.environ, "OPENAI_API_KEY": api_key} if api_key else None
+            completed = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False, env=env)
         result_path = Path(result_dir) / result_filename
         if completed.returncode != 0 or not result_path.is_file():
             tail = (completed.stderr or completed.stdout or "").strip().splitlines()[-5:]

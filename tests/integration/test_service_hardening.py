@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 
-from tests.integration.conftest import run_playbook
+from tests.integration.conftest import ROOT, run_playbook
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -173,13 +175,39 @@ def test_beyond_loopback_only_keyed_requests_get_in(host: Host, sandbox_fleet, t
     secret_vars.chmod(0o600)
     checked = run_playbook("playbooks/health.yml", "-vvv", "--limit", host.name, "-e", f"@{secret_vars}", timeout=600)
     assert checked.returncode == 0, checked.output[-4000:]
+    # a keyed server is benchmarked with its key (read on the host from the root-only secrets file)
+    results = ROOT / "results" / host.name
+    before = set(results.glob("*-decode.json")) if results.is_dir() else set()
+    bench_vars = {"serve_bench_quick": True, "serve_bench_methods": ["decode"], "serve_bench_fail_on_regression": False}
+    bench = run_playbook(
+        "playbooks/bench.yml", "-vvv", "--limit", host.name, "-e", f"@{secret_vars}", "-e", json.dumps(bench_vars)
+    )
+    assert bench.returncode == 0, bench.output[-4000:]
+    (result,) = sorted(set(results.glob("*-decode.json")) - before)
+    assert json.loads(result.read_text())["figures"]["decode_tok_s_median"] > 0
+    # what a deploy would change, in check mode with the key (make drift): it runs, and shows no key
+    # (the last-good copy of the unit, kept only by full deploys, may differ after the --tags deploy)
+    drift = run_playbook(
+        "site.yml", "--check", "--diff", "-vvv", "--limit", host.name, "-e", "sparkfleet_profile=dflash",
+        "-e", "sparkfleet_api_host=0.0.0.0", "-e", f"@{secret_vars}",
+    )  # fmt: skip
+    assert drift.returncode == 0, drift.output[-4000:]
+    # ops status reaches the keyed /v1/models (the probe reads the key on the host, as root)
+    status = subprocess.run(
+        [sys.executable, "-m", "sparkfleet", "ops", "status", "--json", "-l", host.name],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert json.loads(status.stdout)[0]["row"]["health"] == "ok"
     # the secret is only in the root-owned 0600 env file systemd reads: not in the world-readable
     # unit, the journal (modules log their arguments there unless told not to), the process table,
     # Ansible's output, or any other file of the host's state and temporary directories
     assert API_KEY not in host.sh(f"cat {UNIT_PATH}")
     assert host.sh("stat -c '%a %U %G' /etc/sparkfleet/vllm-dflash.env") == "600 root root"
-    for output in (exposed.output, checked.output):
+    for output in (exposed.output, checked.output, bench.output, drift.output, status.stdout, status.stderr):
         assert API_KEY not in output
+    for fetched in results.rglob("*"):  # the results fetched to the controller
+        assert not fetched.is_file() or API_KEY.encode() not in fetched.read_bytes(), fetched
     assert host.sh(f"journalctl --no-pager -o cat | grep -c -F {API_KEY} || true") == "0"
     # every process's argv (the key hex-encoded in this probe's own, so that it does not count itself)
     argv_probe = "\n".join(

@@ -31,8 +31,11 @@ class StubState:
         record_delay_s: float,
         merge_first: int,
         burst: bool = False,
+        api_key: str | None = None,
     ) -> None:
         self.lock = threading.Lock()
+        self.api_key = api_key  # as vLLM's --api-key: /v1 answers 401 without "Bearer <key>"
+        self.refused = 0
         self.merge_first = merge_first
         self.burst = burst
         self.token_gap_s = token_gap_s
@@ -130,7 +133,20 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(body)
 
+        def _refused(self) -> bool:
+            if state.api_key is None or not self.path.startswith("/v1"):
+                return False
+            if self.headers.get("Authorization") == f"Bearer {state.api_key}":
+                return False
+            if self.command == "POST":
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            state.refused += 1
+            self._send(401, b'{"error": "Unauthorized"}', "application/json")
+            return True
+
         def do_GET(self) -> None:
+            if self._refused():
+                return
             if self.path == "/v1/models":
                 body = {"data": [{"id": "stub", "root": "/models/hub/models--org--stub/snapshots/" + "a" * 40}]}
                 self._send(200, json.dumps(body).encode(), "application/json")
@@ -142,6 +158,8 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
                 self._send(404, b"{}", "application/json")
 
         def do_POST(self) -> None:
+            if self._refused():
+                return
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             state.bodies.append(body)
             max_tokens = int(body["max_tokens"])
@@ -240,6 +258,7 @@ class StubServer:
         record_delay_s: float = 0.05,
         merge_first: int = 1,
         burst: bool = False,
+        api_key: str | None = None,
     ) -> None:
         self.state = StubState(
             token_gap_s,
@@ -250,6 +269,7 @@ class StubServer:
             record_delay_s,
             merge_first,
             burst=burst,
+            api_key=api_key,
         )
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(self.state))
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

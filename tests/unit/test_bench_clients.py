@@ -11,7 +11,7 @@ from sparkfleet.bench import main as bench_main
 from sparkfleet.bench import results as res
 from sparkfleet.bench.decode import run_decode_bench, summarize_request_agreement, tpot_agreement
 from sparkfleet.bench.e2e import run_e2e_bench
-from sparkfleet.bench.http_client import OpenAIServer, StreamedCompletion
+from sparkfleet.bench.http_client import BenchHTTPError, OpenAIServer, StreamedCompletion, read_api_key
 from sparkfleet.bench.metrics import ServerTpotWindow
 from sparkfleet.bench.workloads import BenchRequest, Workload, load_workload
 from tests.unit.bench_stub import StubServer
@@ -250,3 +250,34 @@ def test_cli_bad_inputs_give_one_line_errors(tmp_path: Path, capsys: pytest.Capt
         assert bench_main(["decode", "--base-url", stub.base_url, "--workloads", "nosuch", "--out", str(tmp_path)]) == 2
     assert "workload 'nosuch' not found" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing written on a failed run
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("# sparkfleet secrets\nVLLM_API_KEY=k-123\nHF_TOKEN=hf_x\n", "k-123"),  # the unit's secrets file
+        ("k-456\n", "k-456"),  # a bare key
+        ("OPENAI_API_KEY='k-789'\n", "k-789"),
+        ("HF_TOKEN=hf_x\n", None),  # an unkeyed server's secrets file
+        ("", None),
+    ],
+)
+def test_the_api_key_is_read_from_a_file(tmp_path, text: str, key: str | None) -> None:  # noqa: ANN001
+    path = tmp_path / "secrets.env"
+    path.write_text(text)
+    assert read_api_key(str(path)) == key
+    assert read_api_key(None) is None
+
+
+def test_a_keyed_server_is_benchmarked_with_the_key_and_refuses_without(tmp_path) -> None:  # noqa: ANN001
+    secrets = tmp_path / "vllm-dflash.env"
+    secrets.write_text("VLLM_API_KEY=stub-key-1\n")
+    with StubServer(token_gap_s=GAP_S, api_key="stub-key-1") as stub:
+        with pytest.raises(BenchHTTPError, match="HTTP 401"):
+            OpenAIServer(stub.base_url).model_info()
+        refused = stub.state.refused
+        server = OpenAIServer(stub.base_url, api_key=read_api_key(str(secrets)))
+        assert server.model_info()[0] == "stub"
+        figures, _details, _cpu = run_decode_bench(server, "stub", [one_request_workload("w", 11)], progress=False)
+        assert figures["decode_tok_s_median[w]"] > 0
+        assert stub.state.refused == refused, "every keyed request got in"
