@@ -326,6 +326,7 @@ def test_driver_verify_only_refuses_persistence_off(spark: Host) -> None:
 
 
 def test_driver_verify_only_refuses_a_missing_cap(spark: Host) -> None:
+    before = spark.snapshot()
     run = play(
         spark.name,
         {
@@ -334,7 +335,11 @@ def test_driver_verify_only_refuses_a_missing_cap(spark: Host) -> None:
             "nvidia_driver_clock_cap": {"min_mhz": 200, "max_mhz": 2400},
         },
     )
-    assert_refused(run, spark.name, "the recorded GPU clock lock is null", '"max_mhz": 2400')
+    assert_refused(
+        run, spark.name, "the recorded GPU clock lock is null", '"max_mhz": 2400', "Set nvidia_driver_manage: true"
+    )
+    assert spark.snapshot() == before
+    assert "calls" not in spark.gpu_state()  # no -lgc was run
 
 
 def test_driver_manage_without_repo_url_is_refused(spark: Host) -> None:
@@ -476,10 +481,13 @@ def test_driver_install_check_mode_then_converge_then_idempotent(spark: Host, nv
 
 
 def test_driver_install_refuses_a_key_with_the_wrong_sha256(spark: Host, nvidia_repo: dict[str, Any]) -> None:
+    before = spark.snapshot()
     run = play(spark.name, {**PASSING_VARS, **nvidia_repo, "nvidia_driver_repo_key_sha256": "1" * 64})
     assert run.returncode != 0
-    assert "checksum" in run.output.lower()
+    # get_url names the checksum it wanted and the one the file has; the key is not kept
+    assert "checksum" in run.output.lower() and "1" * 64 in run.output, run.output[-3000:]
     assert installed_version(spark, "nvidia-driver-580-open") == ""
+    assert spark.snapshot() == before
 
 
 @pytest.mark.skipif(

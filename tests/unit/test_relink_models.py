@@ -78,4 +78,7 @@ def test_a_revision_no_longer_on_the_host_fails_the_rollback(tmp_path: Path) -> 
     (models / "target").symlink_to(f".hub/target/{NEW}")
     run = relink(tmp_path, {"target": OLD})
     assert run.returncode != 0
-    assert os.readlink(models / "target") == f".hub/target/{NEW}"
+    assert f"cannot point target back at revision {OLD}" in run.stdout, run.stdout[-3000:]
+    assert f"{models}/.hub/target/{OLD} is no longer on the host" in run.stdout
+    assert "Deploy that revision again (pin it under sparkfleet_models.target.revision)" in run.stdout
+    assert os.readlink(models / "target") == f".hub/target/{NEW}"  # nothing changed

@@ -303,6 +303,7 @@ def test_unrefreshed_patch_is_refused(tmp_path: Path, series: tuple[Path, Path])
     source, digest = make_wheel(tmp_path / "src")
     with pytest.raises(wheel_build.WheelBuildError, match="0002-new.patch not in series.yml: run"):
         build(source, digest, series, tmp_path / "out")
+    assert not (tmp_path / "out").exists(), "a refused build writes nothing"
 
 
 def test_stale_hashes_are_refused(tmp_path: Path, series: tuple[Path, Path]) -> None:
@@ -315,6 +316,7 @@ def test_stale_hashes_are_refused(tmp_path: Path, series: tuple[Path, Path]) -> 
     series_file.write_text(series_file.read_text().replace("a" * 64, "0" * 64))
     with pytest.raises(wheel_build.WheelBuildError, match="0 is not a 64-hex sha256"):
         build(source, digest, series, tmp_path / "out")
+    assert not (tmp_path / "out").exists(), "a refused build writes nothing"
 
 
 def test_path_source_needs_sha256_and_a_matching_one(tmp_path: Path, series: tuple[Path, Path]) -> None:
@@ -323,6 +325,7 @@ def test_path_source_needs_sha256_and_a_matching_one(tmp_path: Path, series: tup
         build(source, None, series, tmp_path / "out")  # type: ignore[arg-type]
     with pytest.raises(wheel_build.WheelBuildError, match=f"is not the --sha256 {'1' * 64}"):
         build(source, "1" * 64, series, tmp_path / "out")
+    assert not (tmp_path / "out").exists(), "a refused build writes nothing"
 
 
 def test_metadata_step_that_matches_nothing_is_refused(tmp_path: Path, series: tuple[Path, Path]) -> None:
