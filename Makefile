@@ -197,17 +197,17 @@ lint: $(VENV)/.stamp ## ansible-lint (production), yamllint --strict, ruff
 .PHONY: test-unit
 test-unit: host-deps $(VENV)/.stamp ## Fast tests: no vLLM, no sandbox (host-deps: nft for the firewall ruleset check)
 	@date +"==> %T test-unit"
-	$(VENV)/bin/pytest -q --durations=5 -m "not vllm and not sandbox and not gpu" tests
+	$(VENV)/bin/pytest -q -rs --durations=5 -m "not vllm and not sandbox and not gpu" --ignore=tests/gpu tests
 
 .PHONY: test-vllm
 test-vllm: $(VLLM_VENV)/.stamp models wheel ## Tests on the real vLLM 0.23 code (CPU)
 	@date +"==> %T test-vllm"
-	$(VLLM_PY) -m pytest -q --durations=10 -m "vllm and not sandbox and not gpu" tests/vllm
+	$(VLLM_PY) -m pytest -q -rs --durations=10 -m "vllm and not sandbox and not gpu" tests/vllm
 
 .PHONY: test-sandbox
 test-sandbox: setup sandbox-up ## Integration tests against the sandbox fleet (real deploys)
 	@date +"==> %T test-sandbox"
-	$(VENV)/bin/pytest -q --durations=15 -m "sandbox and not gpu" tests/sandbox tests/integration
+	$(VENV)/bin/pytest -q -rs --durations=15 -m "sandbox and not gpu" tests/sandbox tests/integration
 
 .PHONY: test
 test: lint test-unit test-vllm test-sandbox ## Every test CI runs
