@@ -16,6 +16,8 @@ SERIAL ?= 1
 ROLL_BENCH ?=
 DRIFT_JSON ?=
 LINES ?= 30
+REF ?= main
+UPDATE ?=
 ANSIBLE_ARGS ?=
 
 PYTHON ?= python3
@@ -34,7 +36,7 @@ sh_quote = '$(subst ','\'',$(1))'
 # ... and a value is taken as typed: `$(...)` in it is text, not make code (a command-line variable is
 # otherwise expanded as make syntax wherever it is used).
 PROFILE_ORIGIN := $(origin PROFILE)
-$(foreach v,PROFILE INVENTORY LIMIT HOSTS SERIAL ROLL_BENCH LINES DRIFT_JSON,$(eval override $(v) := $$(value $(v))))
+$(foreach v,PROFILE INVENTORY LIMIT HOSTS SERIAL ROLL_BENCH LINES DRIFT_JSON REF,$(eval override $(v) := $$(value $(v))))
 Q_PROFILE = $(call sh_quote,$(PROFILE))
 Q_INVENTORY = $(call sh_quote,$(INVENTORY))
 SANDBOX := $(filter inventory/sandbox inventory/sandbox/,$(INVENTORY))
@@ -128,6 +130,10 @@ sandbox-status: ## One line per sandbox host
 .PHONY: check-profile
 check-profile: $(VENV)/.stamp
 	@$(PY) -m sparkfleet profile check $(Q_PROFILE) --inventory $(Q_INVENTORY)
+
+.PHONY: pin
+pin: $(VENV)/.stamp ## Pin PROFILE's hub models in INVENTORY: REF (default main) to full commits, no weights [UPDATE=1 moves pins]
+	$(PY) -m sparkfleet weights pin $(Q_PROFILE) --inventory $(Q_INVENTORY) --ref $(call sh_quote,$(REF)) $(if $(UPDATE),--update,)
 
 .PHONY: deploy
 deploy: check-profile ## Deploy PROFILE to INVENTORY (default: the sandbox) [LIMIT=host]

@@ -13,6 +13,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from sparkfleet import model_pins as _model_pins  # noqa: E402
 from sparkfleet import profiles as _profiles  # noqa: E402
 from sparkfleet import unit_state as _unit_state  # noqa: E402
 
@@ -94,6 +95,12 @@ def sparkfleet_last_error(journal: list[str]) -> str:
     return _unit_state.last_error(journal or [])
 
 
+def sparkfleet_pinned_models(models: dict[str, Any], pins: dict[str, Any] | None) -> dict[str, Any]:
+    """``sparkfleet_models | sparkfleet_pinned_models(sparkfleet_model_revisions)``: the models with the
+    inventory's pins (make pin) over them."""
+    return _model_pins.apply_pins(models, pins)
+
+
 class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
@@ -107,4 +114,5 @@ class FilterModule:
             "sparkfleet_systemd_args": sparkfleet_systemd_args,
             "sparkfleet_unit_state": sparkfleet_unit_state,
             "sparkfleet_last_error": sparkfleet_last_error,
+            "sparkfleet_pinned_models": sparkfleet_pinned_models,
         }

@@ -1,9 +1,10 @@
 """The `sparkfleet` command: one subcommand per module.
 
 Each module named in ``COMMANDS`` exposes ``register(subparsers) -> None``, which adds its
-subparser and sets ``func`` (a callable taking the parsed args and returning an exit code).
-Modules are imported only when listed here and present, so a controller without the heavy
-optional pieces (torch, vllm) still runs the others.
+subparser and sets ``func`` (a callable taking the parsed args and returning an exit code). A module
+that cannot be imported (a dependency missing from this venv) still gets its subcommand: its help says
+why it is unavailable, and running it prints that reason and exits 1, so no command goes missing
+silently and one module's trouble never breaks the others.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import Any
+
+from sparkfleet import __version__
 
 # subcommand -> module. Order is the order `sparkfleet --help` lists them.
 COMMANDS: dict[str, str] = {
@@ -25,25 +29,49 @@ COMMANDS: dict[str, str] = {
 }
 
 
+def _reason(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _cannot_load(name: str, module_name: str, error: BaseException) -> int:
+    print(
+        f"sparkfleet {name}: cannot load {module_name} ({_reason(error)}); install what it needs into this venv "
+        "(make venv) and run it again",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def _unavailable(sub: Any, name: str, module_name: str, error: BaseException) -> None:
+    """A stand-in subcommand for a module that failed to import: listed with why, and it fails."""
+    parser = sub.add_parser(name, help=f"(unavailable here: {_reason(error)})")
+    parser.set_defaults(func=lambda _args: _cannot_load(name, module_name, error))
+
+
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The parser with every subcommand, or only ``only``'s (so one module's state never breaks another)."""
     parser = argparse.ArgumentParser(prog="sparkfleet", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"sparkfleet {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         if only is not None and name != only:
             continue
         try:
             module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # not written yet / not installed in this tree
+        except ImportError as exc:
+            _unavailable(sub, name, module_name, exc)
+            continue
         module.register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in COMMANDS:  # one command: its module must load, whatever its arguments
+        try:
+            importlib.import_module(COMMANDS[argv[0]])
+        except ImportError as exc:
+            return _cannot_load(argv[0], COMMANDS[argv[0]], exc)
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -536,7 +536,7 @@ def _read_token(args: argparse.Namespace, stdin: TextIO) -> str | None:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("weights", help="pinned hub weights: describe, fetch, verify (the seed cache)")
+    parser = subparsers.add_parser("weights", help="pinned hub weights: pin, describe, fetch, verify (the seed cache)")
     actions = parser.add_subparsers(dest="weights_command", metavar="ACTION", required=True)
 
     def common(sub: argparse.ArgumentParser) -> None:
@@ -574,6 +574,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     manifest_parser.add_argument("--seed-dir", type=Path, required=True, help="the seed cache")
     manifest_parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     manifest_parser.set_defaults(func=run_manifest)
+
+    from sparkfleet import model_pins
+
+    model_pins.add_parser(actions)
 
 
 def run_describe(args: argparse.Namespace) -> int:

@@ -149,8 +149,8 @@ def errors(resolved: Mapping[str, Any], refused: list[Mapping[str, Any]] | None)
 MODEL_CACHE_KEYS = ("path", "repo", "revision", "allow_patterns", "build", "base", "donor", "error_report")
 FULL_REVISION = re.compile(r"[0-9a-f]{40}")
 PIN_HINT = (
-    "pin it in your inventory (sparkfleet_models.{key}.revision: the full 40-hex commit; a branch, tag or "
-    "short sha can move)"
+    "pin it in your inventory: make pin PROFILE=<profile> INVENTORY=<inventory> resolves it from a branch, or set "
+    "sparkfleet_models.{key}.revision: the full 40-hex commit (a branch, tag or short sha can move)"
 )
 
 
@@ -324,9 +324,10 @@ def _cmd_check(args: argparse.Namespace) -> int:
     except ProfileError as exc:
         print(f"sparkfleet: {exc}", file=sys.stderr)
         return 2
-    problems = errors(resolved, gv.get("sparkfleet_refused_serve_args")) + model_errors(
-        resolved, gv.get("sparkfleet_models") or {}
-    )
+    from sparkfleet.model_pins import PINS_VARIABLE, apply_pins
+
+    models = apply_pins(gv.get("sparkfleet_models") or {}, gv.get(PINS_VARIABLE))
+    problems = errors(resolved, gv.get("sparkfleet_refused_serve_args")) + model_errors(resolved, models)
     for line in problems:
         print(f"sparkfleet: {line}", file=sys.stderr)
     if problems:
