@@ -132,6 +132,11 @@ def resolve_commit(api: Any, model: HubModel, ref: str) -> str:
 
 def fetch_config(model: HubModel, sha: str, cache_dir: Path, endpoint: str | None, token: str | None) -> dict:
     """The revision's config.json only (cached under cache_dir by revision)."""
+    return json.loads(config_path(model, sha, cache_dir, endpoint, token).read_text(encoding="utf-8"))
+
+
+def config_path(model: HubModel, sha: str, cache_dir: Path, endpoint: str | None, token: str | None) -> Path:
+    """Where the revision's config.json is on the controller, fetched (alone) if it is not cached yet."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -140,8 +145,12 @@ def fetch_config(model: HubModel, sha: str, cache_dir: Path, endpoint: str | Non
             model.repo, "config.json", revision=sha, cache_dir=str(cache_dir), endpoint=endpoint, token=token
         )
     except HfHubHTTPError as error:
-        raise PinError(f"{model.key}: {model.repo}@{sha[:12]} has no readable config.json ({error})") from error
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise PinError(
+            f"{model.key}: {model.repo}@{sha[:12]} has no readable config.json ({first}); a gated repo needs a "
+            "token with access (HF_TOKEN, or --token-file)"
+        ) from error
+    return Path(path)
 
 
 def drafter_geometry(config: Mapping[str, Any]) -> str:
@@ -315,6 +324,18 @@ def run(args: argparse.Namespace) -> int:
         raise
 
 
+def run_config(args: argparse.Namespace) -> int:
+    try:
+        if len(args.revision) != FULL_REVISION_LENGTH:
+            raise PinError(f"{args.repo}: revision {args.revision!r} is not a full 40-hex commit: pin it (make pin)")
+        model = HubModel(args.repo, args.repo, "model")
+        print(config_path(model, args.revision, Path(args.cache_dir), args.endpoint, _read_token(args.token_file)))
+    except PinError as error:
+        print(f"sparkfleet: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def add_parser(actions: argparse._SubParsersAction) -> None:
     parser = actions.add_parser(
         "pin", help="resolve a profile's hub models from a branch or tag to full commits into the inventory"
@@ -329,3 +350,13 @@ def add_parser(actions: argparse._SubParsersAction) -> None:
         "--cache-dir", default="build/hub-configs", help="where the pinned config.json files are cached"
     )
     parser.set_defaults(func=run)
+
+    config = actions.add_parser(
+        "config", help="fetch only a pinned revision's config.json to the controller (cached); print its path"
+    )
+    config.add_argument("--repo", required=True)
+    config.add_argument("--revision", required=True, help="a full 40-hex commit")
+    config.add_argument("--endpoint", default=os.environ.get("HF_ENDPOINT") or None, help="hub URL (HF_ENDPOINT)")
+    config.add_argument("--token-file", type=Path, help="read a hub token from this (private) file (else HF_TOKEN)")
+    config.add_argument("--cache-dir", default="build/hub-configs", help="where config.json files are cached")
+    config.set_defaults(func=run_config)

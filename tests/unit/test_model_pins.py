@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -213,3 +216,80 @@ def test_apply_pins_sets_revisions_and_build_inputs() -> None:
     assert pinned["h"]["base"]["revision"] == "2" * 40 and pinned["h"]["donor"]["revision"] == "3" * 40
     assert models["t"]["revision"] == "", "the input is not changed"
     assert json.dumps(model_pins.apply_pins(models, None), sort_keys=True) == json.dumps(models, sort_keys=True)
+
+
+ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
+
+
+def deploy_kv_check(tmp_path: Path, hub: HubDouble, site: dict, pins: dict) -> subprocess.CompletedProcess[str]:
+    """The deploy's own steps on this machine: resolve-profile.yml, kv-plan-inputs.yml (config.json from the
+    hub) and spark_preflight's KV plan check, as serve-profile.yml runs them before any host is touched."""
+    inv = inventory(tmp_path, site={**site, "model_cache_hub_endpoint": hub.endpoint}, pins=pins)
+    hosts = {
+        "all": {"hosts": {"spark-x": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}
+    }
+    (inv / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    play = [
+        {
+            "hosts": "all",
+            "gather_facts": False,
+            "tasks": [
+                {"ansible.builtin.import_tasks": str(ROOT / "playbooks/tasks/resolve-profile.yml")},
+                {"ansible.builtin.import_tasks": str(ROOT / "playbooks/tasks/kv-plan-inputs.yml")},
+                {
+                    "ansible.builtin.include_role": {"name": "spark_preflight", "tasks_from": "kv_plan"},
+                    "vars": {"spark_preflight_kv_plan": "{{ __deploy_kv_plan }}"},
+                },
+            ],
+        }
+    ]
+    (tmp_path / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
+    return subprocess.run(
+        [
+            str(ANSIBLE_PLAYBOOK),
+            "-i",
+            str(inv / "hosts.yml"),
+            str(tmp_path / "play.yml"),
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+def test_the_deploy_checks_the_kv_plan_of_hub_models_from_their_config_json_alone(
+    tmp_path: Path, hub: HubDouble, shas: dict[str, str]
+) -> None:
+    pins = {"intel-int4": shas["target"], "dflash-drafter": shas["old_drafter"]}
+    good = deploy_kv_check(tmp_path / "good", hub, {"sparkfleet_profile": "dflash"}, pins)
+    assert good.returncode == 0, good.stdout[-3000:]
+    assert "Assert the drafter's KV pages unify with the target's" in good.stdout
+    assert {s.path for s in hub.file_gets()} == {"config.json"}, "no weights fetched"
+
+    stock = {
+        "sparkfleet_profile": "dflash-stock",
+        "sparkfleet_profiles_site": {
+            "dflash-stock": {
+                "summary": "dflash on an unpatched wheel",
+                "target": "intel-int4",
+                "drafter": "dflash-drafter",
+                "speculative": {"method": "dflash", "num_speculative_tokens": 12},
+                "patches": [],
+                "serve_args": {},
+            }
+        },
+    }
+    refused = deploy_kv_check(tmp_path / "stock", hub, stock, {**pins, "dflash-drafter": shas["new_drafter"]})
+    assert refused.returncode != 0
+    assert "cannot share KV pages with the target" in refused.stdout, refused.stdout[-3000:]
+    assert "without the KV-unify patch" in refused.stdout and "8 KV heads x 128" in refused.stdout
+    # the patched wheel's profile takes the same drafter
+    patched = deploy_kv_check(
+        tmp_path / "patched", hub, {"sparkfleet_profile": "dflash"}, {**pins, "dflash-drafter": shas["new_drafter"]}
+    )
+    assert patched.returncode == 0, patched.stdout[-3000:]
