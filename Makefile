@@ -131,6 +131,10 @@ sandbox-status: ## One line per sandbox host
 check-profile: $(VENV)/.stamp
 	@$(PY) -m sparkfleet profile check $(Q_PROFILE) --inventory $(Q_INVENTORY)
 
+.PHONY: doctor
+doctor: $(VENV)/.stamp ## Read-only: one row per host of what PROFILE needs (GPU, driver, CUDA, memory, disk, port, guard, hub), each with its fix
+	$(PLAYBOOK) playbooks/doctor.yml -e sparkfleet_profile=$(Q_PROFILE)
+
 .PHONY: pin
 pin: $(VENV)/.stamp ## Pin PROFILE's hub models in INVENTORY: REF (default main) to full commits, no weights [UPDATE=1 moves pins]
 	$(PY) -m sparkfleet weights pin $(Q_PROFILE) --inventory $(Q_INVENTORY) --ref $(call sh_quote,$(REF)) $(if $(UPDATE),--update,)

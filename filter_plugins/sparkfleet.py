@@ -13,6 +13,7 @@ _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
+from sparkfleet import doctor as _doctor  # noqa: E402
 from sparkfleet import model_pins as _model_pins  # noqa: E402
 from sparkfleet import profiles as _profiles  # noqa: E402
 from sparkfleet import unit_state as _unit_state  # noqa: E402
@@ -101,6 +102,38 @@ def sparkfleet_pinned_models(models: dict[str, Any], pins: dict[str, Any] | None
     return _model_pins.apply_pins(models, pins)
 
 
+def sparkfleet_doctor(
+    gpu: dict[str, Any],
+    system: dict[str, Any],
+    needs: dict[str, Any],
+    settings: dict[str, Any],
+    port_holders: list[dict[str, Any]] | None = None,
+    unit: str | None = None,
+    hub: dict[str, Any] | None = None,
+) -> list[dict[str, Any]]:
+    """``spark_gpu | sparkfleet_doctor(spark_system, needs, settings, holders, unit_show_text, hub)``: make
+    doctor's checks (unit_show_text: ``systemctl show -p LoadState -p ExecStart`` output)."""
+    shown = _unit_state.parse_show(unit or "")
+    return _doctor.as_dicts(_doctor.checks(gpu, system, needs, settings, port_holders or [], shown, hub))
+
+
+def sparkfleet_doctor_row(found: list[dict[str, Any]], host: str) -> str:
+    return _doctor.row(host, found)
+
+
+def sparkfleet_doctor_fixes(found: list[dict[str, Any]], host: str) -> list[str]:
+    return _doctor.fixes(host, found)
+
+
+def sparkfleet_doctor_row_pair(pair: tuple[list[dict[str, Any]], str]) -> str:
+    """``checks_list | zip(hosts) | map('sparkfleet_doctor_row_pair')``."""
+    return _doctor.row(pair[1], pair[0])
+
+
+def sparkfleet_doctor_fixes_pair(pair: tuple[list[dict[str, Any]], str]) -> list[str]:
+    return _doctor.fixes(pair[1], pair[0])
+
+
 class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
@@ -115,4 +148,9 @@ class FilterModule:
             "sparkfleet_unit_state": sparkfleet_unit_state,
             "sparkfleet_last_error": sparkfleet_last_error,
             "sparkfleet_pinned_models": sparkfleet_pinned_models,
+            "sparkfleet_doctor": sparkfleet_doctor,
+            "sparkfleet_doctor_row": sparkfleet_doctor_row,
+            "sparkfleet_doctor_fixes": sparkfleet_doctor_fixes,
+            "sparkfleet_doctor_row_pair": sparkfleet_doctor_row_pair,
+            "sparkfleet_doctor_fixes_pair": sparkfleet_doctor_fixes_pair,
         }

@@ -336,6 +336,25 @@ def run_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_reach(args: argparse.Namespace) -> int:
+    """One JSON line: whether the controller reaches the hub (any HTTP answer about the repo counts)."""
+    import httpx
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api = HfApi(endpoint=args.endpoint)
+    try:
+        api.model_info(args.repo, revision=args.revision)
+        answer = {"ok": True, "value": f"{api.endpoint} answers ({args.repo}@{args.revision[:12]} found)"}
+    except HfHubHTTPError as error:
+        status = getattr(error.response, "status_code", "?")
+        answer = {"ok": True, "value": f"{api.endpoint} answers (HTTP {status} for {args.repo})"}
+    except (httpx.HTTPError, OSError) as error:
+        answer = {"ok": False, "value": f"{api.endpoint} unreachable ({type(error).__name__}: {error})"}
+    print(json.dumps(answer))
+    return 0
+
+
 def add_parser(actions: argparse._SubParsersAction) -> None:
     parser = actions.add_parser(
         "pin", help="resolve a profile's hub models from a branch or tag to full commits into the inventory"
@@ -360,3 +379,9 @@ def add_parser(actions: argparse._SubParsersAction) -> None:
     config.add_argument("--token-file", type=Path, help="read a hub token from this (private) file (else HF_TOKEN)")
     config.add_argument("--cache-dir", default="build/hub-configs", help="where config.json files are cached")
     config.set_defaults(func=run_config)
+
+    reach = actions.add_parser("reach", help="say (JSON) whether this machine reaches the hub, for make doctor")
+    reach.add_argument("--repo", required=True)
+    reach.add_argument("--revision", default="main")
+    reach.add_argument("--endpoint", default=os.environ.get("HF_ENDPOINT") or None, help="hub URL (HF_ENDPOINT)")
+    reach.set_defaults(func=run_reach)
