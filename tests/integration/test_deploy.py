@@ -12,7 +12,7 @@ import shlex
 
 import pytest
 
-from tests.integration.conftest import ROOT, run_playbook
+from tests.integration.conftest import ROOT, run_make, run_playbook
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -105,6 +105,29 @@ def test_check_mode_on_a_converged_fleet_reports_nothing(deployed, sandbox_hosts
     check = run_playbook("site.yml", "-e", "sparkfleet_profile=dflash", "--check", "--diff")
     assert check.returncode == 0, check.output[-4000:]
     assert {h: check.recap[h]["changed"] for h in sandbox_hosts} == dict.fromkeys(sandbox_hosts, 0)
+
+
+# What a read-only run must leave as it was on a host (vLLM's own cache under the state dir moves by itself).
+TREE = (
+    "find /etc /opt/sparkfleet /usr/local /var/lib/sparkfleet -xdev -path /var/lib/sparkfleet/cache -prune "
+    "-o -printf '%y %m %u %s %T@ %p\\n' 2>/dev/null | sort"
+)
+
+
+def test_doctor_passes_on_the_converged_fleet_and_changes_nothing(deployed, sandbox_hosts, sandbox_fleet) -> None:
+    trees = {host: sandbox_fleet.ssh(host, TREE, timeout=120).stdout for host in sandbox_hosts}
+    pids = {h: sandbox_fleet.ssh(h, f"systemctl show -p MainPID --value {UNIT}").stdout for h in sandbox_hosts}
+    doctor = run_make("doctor", "PROFILE=dflash", timeout=300)
+    assert doctor.returncode == 0, doctor.output[-4000:]
+    for host in sandbox_hosts:
+        row = next((line for line in doctor.output.splitlines() if f'"msg": "{host}  ' in line), "")
+        assert f"{host}  PASS  arch x86_64 (allowed: spark_preflight_allow_non_aarch64) ok" in row, row
+        for cell in ("gpu NVIDIA GB10 cc 12.1 ok", "driver 580.95.05 (branch 580) ok", "memory guard on ok"):
+            assert cell in row, (cell, row)
+        assert f"port 8000 held by {UNIT} ok" in row, row
+        assert doctor.recap[host]["changed"] == 0
+        assert sandbox_fleet.ssh(host, TREE, timeout=120).stdout == trees[host], f"{host}: the doctor changed files"
+        assert sandbox_fleet.ssh(host, f"systemctl show -p MainPID --value {UNIT}").stdout == pids[host]
 
 
 def test_unknown_profile_fails_before_any_host_is_touched(deployed, sandbox_hosts, sandbox_fleet) -> None:
