@@ -16,7 +16,6 @@ re-running with nothing new prints "already pinned" and changes nothing.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -37,20 +36,26 @@ class PinError(Exception):
     """A model that cannot be pinned: one line naming it and the fix."""
 
 
-def apply_pins(models: Mapping[str, Any], pins: Mapping[str, Any] | None) -> dict[str, Any]:
+def apply_pins(models: Mapping[str, Any], pins: Mapping[str, Any] | None) -> Mapping[str, Any]:
     """``sparkfleet_models`` with the inventory's pins over it: ``NAME`` sets NAME's revision,
     ``NAME.base`` / ``NAME.donor`` a build input's. A pin for a model that is not there is ignored
-    (it is for another profile's models, or left over)."""
-    merged = copy.deepcopy(dict(models or {}))
-    for key, revision in (pins or {}).items():
+    (it is for another profile's models, or left over). Without pins the models are returned as they
+    are; with pins only the pinned entries are copied (shallowly: Ansible hands its lazily templated
+    containers in, which must not be deep-copied)."""
+    if not pins:
+        return models
+    merged = dict(models or {})
+    for key, revision in pins.items():
         name, _dot, part = str(key).partition(".")
         entry = merged.get(name)
-        if not isinstance(entry, dict):
+        if not isinstance(entry, Mapping):
             continue
+        entry = dict(entry)
         if not part:
             entry["revision"] = revision
-        elif part in BUILD_PARTS and isinstance(entry.get(part), dict):
+        elif part in BUILD_PARTS and isinstance(entry.get(part), Mapping):
             entry[part] = {**entry[part], "revision": revision}
+        merged[name] = entry
     return merged
 
 

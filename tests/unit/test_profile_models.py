@@ -175,3 +175,26 @@ def test_deploy_refuses_unpinned_weights_before_any_change_and_hands_pins_to_mod
     )
     assert accepted.returncode == 0, accepted.stdout + accepted.stderr
     assert json.loads(out.read_text()) == profiles.model_cache_entries(resolve("dense"), pinned_models())
+
+
+@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+@pytest.mark.parametrize("pinned", [False, True])
+def test_templated_model_entries_resolve_with_and_without_pins(tmp_path: Path, pinned: bool) -> None:
+    """Ansible hands the pins filter its lazily templated containers (a path built from another variable,
+    as the sandbox's): they resolve with no pins file and with one."""
+    site = {
+        "sparkfleet_profile": "dense",
+        "sparkfleet_models": {
+            **pinned_models(),
+            "dflash-drafter": {"path": "{{ sparkfleet_build_dir }}/models/drafter", "size_gib": 1},
+            "hybrid-int4-fp8": {"repo": MODELS["hybrid-int4-fp8"]["repo"], "revision": "" if pinned else PIN},
+        },
+    }
+    if pinned:
+        site["sparkfleet_model_revisions"] = {"hybrid-int4-fp8": PIN, "dflash-drafter": "f" * 40}
+    proc, out = run_resolve(tmp_path, site)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    entries = {e["name"]: e for e in json.loads(out.read_text())}
+    assert entries["hybrid-int4-fp8"]["revision"] == PIN
+    assert entries["dflash-drafter"]["path"].endswith("/build/models/drafter"), entries
+    assert "{{" not in entries["dflash-drafter"]["path"]
