@@ -293,3 +293,19 @@ def test_the_deploy_checks_the_kv_plan_of_hub_models_from_their_config_json_alon
         tmp_path / "patched", hub, {"sparkfleet_profile": "dflash"}, {**pins, "dflash-drafter": shas["new_drafter"]}
     )
     assert patched.returncode == 0, patched.stdout[-3000:]
+
+
+@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+def test_local_models_give_the_kv_check_their_own_config_json_and_fetch_nothing(tmp_path: Path, hub: HubDouble) -> None:
+    """The sandbox's shape: target and drafter are local directories (path, no repo)."""
+    site = {
+        "sparkfleet_profile": "dflash",
+        "sparkfleet_models": {
+            "intel-int4": {"path": str(KV / "qwen3_5_122b_a10b"), "size_gib": 1},
+            "dflash-drafter": {"path": str(KV / "dflash_6c7242c"), "size_gib": 1},
+        },
+    }
+    run = deploy_kv_check(tmp_path, hub, site, pins={})
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert "Assert the drafter's KV pages unify with the target's" in run.stdout
+    assert hub.log == [], "nothing asked of the hub"
