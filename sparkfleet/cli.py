@@ -19,6 +19,7 @@ from sparkfleet import __version__
 # subcommand -> module. Order is the order `sparkfleet --help` lists them.
 COMMANDS: dict[str, str] = {
     "wheel": "sparkfleet.wheel_build",
+    "wheelhouse": "sparkfleet.wheelhouse",
     "kv-plan": "sparkfleet.kv_page_plan",
     "checkpoint": "sparkfleet.checkpoint",
     "bench": "sparkfleet.bench",

@@ -41,6 +41,8 @@ from typing import Any
 
 import yaml
 
+from sparkfleet import cuda_arch
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SOURCES_FILE = Path(__file__).resolve().parent / "wheel_sources.yml"
 PATCHES_DIR = REPO_ROOT / "files" / "patches"
@@ -988,6 +990,11 @@ def build_wheel(
             partial.unlink(missing_ok=True)
     finally:
         reader.close()
+    cuda = None
+    if source.platform == "gpu":
+        # the patches touch only Python: the source wheel's binaries are the built wheel's
+        cuda = cuda_arch.scan_wheel(local)
+        say(f"cuda: {len(cuda['binaries'])} binaries with device code ({cuda['tool']})")
     elapsed = time.monotonic() - started
     manifest = {
         "format": MANIFEST_FORMAT,
@@ -1008,6 +1015,8 @@ def build_wheel(
         "series": [{"series": s.name, "directory": s.directory.name, "metadata": s.metadata} for s in applied],
         "patches": [dataclasses.asdict(r) for r in results],
         "metadata_changes": metadata_changes,
+        # SASS and PTX per shared library (sparkfleet.cuda_arch); preflight checks the host's GPU against it
+        "cuda": cuda,
         "build_seconds": round(elapsed, 2),
     }
     manifest_file = manifest_path(target)
@@ -1276,11 +1285,34 @@ def command_id(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_cuda(args: argparse.Namespace) -> int:
+    """`sparkfleet wheel cuda WHEEL`: what the wheel's binaries carry and how each runs on the GPU."""
+    if not args.wheel.is_file():
+        raise WheelBuildError(f"{args.wheel}: no such wheel")
+    cuda = cuda_arch.scan_wheel(args.wheel)
+    if args.json:
+        print(json.dumps(cuda, indent=1))
+        return 0
+    capability = args.compute_cap
+    for name, code in cuda["binaries"].items():
+        judged = cuda_arch.verdict(name, code, capability)
+        required = " (required)" if name in cuda["required"] else ""
+        sass, ptx = ", ".join(code["sass"]) or "-", ", ".join(code["ptx"]) or "-"
+        print(f"{name}{required}: SASS {sass}; PTX {ptx} -> {judged.how} on {capability} ({judged.via})")
+    result = cuda_arch.check(cuda, capability)
+    print(
+        f"{args.wheel.name}: {'runs' if result['ok'] else 'REFUSED'} on compute capability {capability}"
+        + (f": {result['reason']}" if result["reason"] else "")
+        + f" [{cuda['tool']}]"
+    )
+    return 0 if result["ok"] else 1
+
+
 def _guarded(func: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
         try:
             return int(func(args) or 0)
-        except WheelBuildError as exc:
+        except (WheelBuildError, cuda_arch.CudaArchError) as exc:
             print(f"sparkfleet wheel: error: {exc}", file=sys.stderr, flush=True)
             return 1
 
@@ -1328,6 +1360,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     verify.add_argument("wheel", type=Path)
     verify.add_argument("--series", action="append", type=Path, help="series directories (default: all)")
     verify.set_defaults(func=_guarded(command_verify))
+
+    cuda = actions.add_parser("cuda", help="list a wheel's SASS/PTX per binary (cuobjdump) and judge it for a GPU")
+    cuda.add_argument("wheel", type=Path)
+    cuda.add_argument("--compute-cap", default="12.1", help="the GPU's compute capability (default 12.1, GB10)")
+    cuda.add_argument("--json", action="store_true", help="print the manifest's cuda section as JSON")
+    cuda.set_defaults(func=_guarded(command_cuda))
 
     ident = actions.add_parser("id", help="print the patch-set id of the current series")
     ident.add_argument("--platform", choices=PLATFORMS, default="gpu", help="source platform (default gpu)")
