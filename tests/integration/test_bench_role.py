@@ -3,14 +3,16 @@
 Needs a host already serving a profile (tests/integration/test_deploy.py deploys `dflash`); the test
 reads what it serves from its /etc/sparkfleet/state.json, benchmarks it with `--limit`, and checks
 that the result JSON of every method landed under results/<host>/ with the identity the issue asks
-for (host, profile, patch set, model and drafter revisions, vLLM version, time, figures), that the
-decode client's TPOT agrees with the server's /metrics within 5 %, and that the service was not
-restarted. It stops and reconfigures nothing.
+for (host, profile, patch set, model and drafter revisions, vLLM version, time, figures), and that
+the service was not restarted. The host is kept busy (a CPU hog beside the server) all the while: the
+decode headline must still be a figure the server's /metrics confirms, never a collapsed client
+window's. It stops and reconfigures nothing.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,10 @@ QUICK_VARS = {
     "serve_bench_decode_workloads": ["prose", "code", "counting"],
     "serve_bench_fail_on_regression": False,
 }
-TPOT_AGREEMENT = 0.05
+# a headline the server confirms: within this of the server's own per-request decode rate (a
+# collapsed client window reads 10-400x fast)
+HEADLINE_AGREEMENT = 0.25
+HOG = "sparkfleet-test-hog"
 
 
 def host_state(sandbox_fleet: Any, host: str) -> dict[str, Any] | None:
@@ -65,7 +70,13 @@ def test_bench_playbook_quick_on_one_host(sandbox_hosts: list[str], sandbox_flee
     extra = tmp_path / "bench-vars.json"
     extra.write_text(json.dumps(QUICK_VARS), encoding="utf-8")
 
-    run = run_playbook("playbooks/bench.yml", "--limit", host, "-e", f"@{extra}", timeout=600)
+    hog = sandbox_fleet.ssh(host, f"systemd-run --unit {HOG} --collect python3 -c 'while True: pass'")
+    assert hog.returncode == 0, hog.stderr
+    try:
+        run = run_playbook("playbooks/bench.yml", "--limit", host, "-e", f"@{extra}", timeout=600)
+        assert sandbox_fleet.ssh(host, f"systemctl is-active {HOG}").stdout.strip() == "active", "busy throughout"
+    finally:
+        sandbox_fleet.ssh(host, f"systemctl stop {HOG}")
 
     assert run.returncode == 0, run.output[-4000:]
     assert set(run.recap) == {host}, run.recap  # --limit: nothing else touched
@@ -93,13 +104,23 @@ def test_bench_playbook_quick_on_one_host(sandbox_hosts: list[str], sandbox_flee
     assert set(results) == set(METHODS)
 
     decode = results["decode"]["figures"]
-    assert decode["decode_tok_s_median"] > 0
+    details = results["decode"]["details"]
     assert decode["server_decode_tok_s_median"] > 0
-    # the honesty figures: the client's TPOT against the server's /metrics, and the client's CPU share
-    assert isinstance(decode["tpot_relative_difference_median"], float)
-    assert abs(decode["tpot_relative_difference_median"]) <= TPOT_AGREEMENT, results["decode"]["details"].get(
-        "tpot_agreement_per_request"
-    )
+    # honest on a busy host: each workload's headline is the client's figure only where the server
+    # confirms it, else the server's; either way it is near the server's, never a collapsed window's
+    for workload in QUICK_VARS["serve_bench_decode_workloads"]:
+        chosen = details["headline"][workload]
+        server = decode[f"server_decode_tok_s_median[{workload}]"]
+        assert decode[f"decode_tok_s_median[{workload}]"] == chosen["value"], chosen
+        assert abs(chosen["value"] / server - 1) <= HEADLINE_AGREEMENT, (workload, chosen)
+        if not chosen["client_valid"]:
+            assert chosen["value"] == server and chosen["disagreeing_requests"], chosen
+            said = re.search(r"the client's decode figure is INVALID for ([^(]*)\(", run.output)
+            assert said and workload in said.group(1), run.output[-3000:]
+    valid = all(chosen["client_valid"] for chosen in details["headline"].values())
+    assert details["headline_source"] == ("client" if valid else "server")
+    overall = decode["client_decode_tok_s_median"] if valid else decode["server_decode_tok_s_median"]
+    assert decode["decode_tok_s_median"] == overall
     assert 0 < decode["client_cpu_share"] < 1
     assert results["e2e"]["figures"]["e2e_tok_s"] > 0
     assert results["serving"]["figures"]["serving_completed"] == 8

@@ -5,7 +5,8 @@ of the fleet. Each test drives the real deploy playbook against that host with a
 (`--tags vllm_service`, so only the serving role runs) and checks the effect on the host: a unit with a
 bad key never goes live, the hardened unit scores <= 3.0 and still serves, the API refuses to bind beyond
 loopback without a key and, with a key and an allow-list, answers only keyed requests from listed
-clients, and an over-subscribed start fails the unit through the memory guard while the host stays up.
+clients, and an over-subscribed start fails the unit for good, once through the memory guard alone and
+once through the kernel's MemoryMax= alone, while the host stays up.
 The host is put back into its converged `dflash` state at the end (a full deploy limited to it).
 """
 
@@ -256,23 +257,47 @@ def test_the_allow_list_drops_unlisted_clients(host: Host, sandbox_fleet) -> Non
     assert dropped and int(dropped.group(1)) >= 1, ruleset
 
 
-def test_an_over_subscribed_start_fails_the_unit_and_the_host_stays_up(host: Host) -> None:
-    # 1 GiB is far below what the CPU server needs (~4.5 GB RSS): the start over-subscribes it
-    starved = deploy(host.name, "-e", "vllm_service_memory_max=1G")
+def journal_cursor(host: Host) -> str:
+    return host.sh("journalctl -n 0 --show-cursor -q | sed -n 's/^-- cursor: //p'")
+
+
+def starved_start(host: Host, enforcers: list[str]) -> tuple[str, dict[str, str], str]:
+    """Deploy a 1 GiB limit (far below the CPU server's ~4.5 GB RSS) enforced by `enforcers` alone:
+    (the unit as written, its state after the start, its journal since the deploy began)."""
+    host.sh(f"systemctl reset-failed {UNIT} || true")
+    cursor = journal_cursor(host)
+    starved = deploy(
+        host.name, "-e", "vllm_service_memory_max=1G", "-e", json.dumps({"vllm_service_memory_enforcers": enforcers})
+    )
     assert starved.returncode != 0
+    unit = host.sh(f"systemctl cat {UNIT}")
     state = host.show("ActiveState", "Result", "ExecMainStatus", "NRestarts")
-    # cgroup v2 hosts: the kernel's MemoryMax= may strike first (oom-kill); everywhere: the guard's 137
-    assert state["ActiveState"] == "failed", state
-    assert state["Result"] == "oom-kill" or (state["Result"] == "exit-code" and state["ExecMainStatus"] == "137"), state
-    assert state["NRestarts"] == "0", "restarted into the same over-subscription"
-    journal = host.sh(f"journalctl -u {UNIT} -n 200 --no-pager -o cat")
-    if state["Result"] == "exit-code":
-        assert re.search(r"memory guard: service memory \S+ GiB .* reached the limit 1\.00 GiB: killed", journal), (
-            journal
-        )
-    # the host is fine: it answers, its manager runs, nothing else failed
+    journal = host.sh(f"journalctl -u {UNIT} --after-cursor {shlex.quote(cursor)} --no-pager -o cat")
+    return unit, state, journal
+
+
+def assert_the_host_stays_up(host: Host) -> None:
     assert host.sh("systemctl is-system-running || true") in ("running", "degraded")
     failed = host.sh("systemctl list-units --failed --plain --no-legend --no-pager").split()
     assert [unit for unit in failed if unit.endswith(".service")] == [UNIT]
     available_kib = int(host.sh("awk '/MemAvailable/ {print $2}' /proc/meminfo"))
     assert available_kib > 2**20, f"{available_kib} KiB available"
+
+
+def test_the_memory_guard_alone_stops_an_over_subscribed_start_for_good(host: Host) -> None:
+    unit, state, journal = starved_start(host, ["guard"])
+    assert "MemoryMax=" not in unit and "sparkfleet-memory-guard 1073741824 " in unit, unit
+    assert (state["ActiveState"], state["Result"], state["ExecMainStatus"]) == ("failed", "exit-code", "137"), state
+    assert state["NRestarts"] == "0", "restarted into the same over-subscription"
+    assert re.search(r"memory guard: service memory \S+ GiB .* reached the limit 1\.00 GiB: killed", journal), journal
+    assert_the_host_stays_up(host)
+
+
+def test_the_kernel_limit_alone_stops_an_over_subscribed_start_for_good(host: Host) -> None:
+    unit, state, journal = starved_start(host, ["kernel"])
+    assert "MemoryMax=1073741824" in unit and "sparkfleet-memory-guard 0 " in unit, unit
+    assert (state["ActiveState"], state["Result"]) == ("failed", "oom-kill"), state
+    assert state["NRestarts"] == "0", "restarted into the same over-subscription"
+    assert "killed by the OOM killer" in journal, journal
+    assert "memory guard:" not in journal, "the guard had no limit to enforce"
+    assert_the_host_stays_up(host)

@@ -95,6 +95,10 @@ def test_decode_excludes_prefill_and_reads_acceptance() -> None:
     assert abs(figures["tpot_relative_difference_median"]) < 0.25
     assert all(r["ttft_s"] >= 0.15 for r in w1["per_request"])
     assert abs(figures["tpot_relative_difference"]) < 0.25  # loopback stub: same intervals both sides
+    # a healthy stream: the client's figure is the headline, confirmed by the server's
+    assert details["headline_source"] == "client" and figures["client_figure_invalid_workloads"] == 0
+    assert figures["decode_tok_s_median[w1]"] == figures["client_decode_tok_s_median[w1]"]
+    assert details["headline"]["w1"]["disagreeing_requests"] == []
     assert 0.0 <= figures["client_cpu_share"] == cpu["share"]
     assert cpu["wall_s"] > 0
     # every request was streamed at temperature 0 with usage requested
@@ -149,11 +153,23 @@ def test_burst_delivery_is_caught_by_the_server_cross_check(tmp_path: Path, caps
             ]
         )
     assert code == 0
-    figures = res.load_result(tmp_path / "r.json")["figures"]
+    result = res.load_result(tmp_path / "r.json")
+    figures = result["figures"]
     assert figures["tpot_within_5pct_share"] == 0.0
     assert figures["tpot_relative_difference_median"] < -0.5  # the collapsed windows read far too fast
     assert figures["server_decode_tok_s_median"] == pytest.approx(1 / 0.004, rel=0.35)
-    assert "client-side timing is unreliable here" in capsys.readouterr().err
+    # honest by default: the collapsed client figure is kept, marked, and is not the headline
+    assert figures["client_decode_tok_s_median"] > 3 * figures["server_decode_tok_s_median"]
+    assert figures["decode_tok_s_median"] == figures["server_decode_tok_s_median"]
+    assert figures["decode_tok_s_median[w]"] == figures["server_decode_tok_s_median[w]"]
+    assert figures["client_figure_invalid_workloads"] == 1
+    chosen = result["details"]["headline"]["w"]
+    assert (chosen["source"], chosen["client_valid"]) == ("server", False)
+    assert [r["id"] for r in chosen["disagreeing_requests"]] == ["r0", "r1", "r2"]
+    assert result["details"]["headline_source"] == "server"
+    err = capsys.readouterr().err
+    assert "w: client figure INVALID" in err and "r0 (-" in err and "from the server's /metrics" in err
+    assert "the client's decode figure is INVALID for w" in err
 
 
 def test_decode_flags_foreign_traffic_in_the_window() -> None:

@@ -183,3 +183,30 @@ def test_report_without_results_and_missing_dir(tmp_path: Path, capsys: pytest.C
     assert any("No results yet" in line for line in report.lines)
     assert cli.main(["report", "--results", str(tmp_path / "nope"), "--out", str(tmp_path / "r.md")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_report_marks_an_invalid_client_figure_and_shows_the_server_headline(tmp_path: Path) -> None:
+    details = decode_details(299_130.0)
+    details["workloads"][0]["server_decode_tok_s_median"] = 712.0
+    details["headline"] = {
+        "agent": {
+            "source": "server",
+            "value": 712.0,
+            "client_valid": False,
+            "client_value": 299_130.0,
+            "server_value": 712.0,
+            "tolerance": 0.10,
+            "relative_difference": -0.60,
+            "agreeing_share": 0.0,
+            "disagreeing_requests": [{"id": "agent-3", "relative_difference": -0.998}],
+        }
+    }
+    result = make_result(
+        "decode", "spark-01", "dflash", "2026-06-20T10:00:00Z", {"decode_tok_s_median": 712.0}, details
+    )
+    res.write_result(result, tmp_path / "results" / res.default_result_name(result))
+    assert cli.main(["report", "--results", str(tmp_path / "results"), "--out", str(tmp_path / "r.md")]) == 0
+    text = (tmp_path / "r.md").read_text()
+    assert "| agent | 8 | 712 (server) | 299130 **INVALID** | 712 |" in text, text
+    assert "**agent: the client's figure is invalid** (299130 tok/s, TPOT -60.0% against the server's" in text
+    assert "agent-3 (-99.8%)" in text and "the headline is the server's 712 tok/s" in text

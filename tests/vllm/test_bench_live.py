@@ -278,16 +278,22 @@ def test_decode_tpot_agrees_with_server_metrics(live_server: LiveServer, tmp_pat
     assert figures["acceptance_length[counting]"] > 1.1
     assert all(r["window_clean"] for r in per_request)  # each request's own /metrics window
     # The honesty check: the client's TPOT against vLLM's own histograms for the same requests.
+    # The client's windows are measured right: the median request agrees with vLLM's own figure.
     summary = details["tpot_agreement_per_request"]
     assert abs(summary["median_relative_difference"]) < TPOT_AGREEMENT, summary
-    # most requests agree on their own; a loaded 2-core host stalls a few (seen: 7 of 10 within 5%
-    # at load 20 while the median differed by 0.05%), so require a majority, not three quarters
-    assert summary["within_tolerance_share"] >= 0.5, summary
-    # Over the whole run, token-weighted. Skipped only when a request's window collapsed (this
-    # shared sandbox stalled the server or client for a large fraction of a request, and its
-    # chunks arrived in one burst): that is a stall of the host, reported above, not a bias.
-    if all(abs(r["tpot_relative_difference"]) < 0.25 for r in per_request):
-        assert abs(details["tpot_agreement"]["relative_difference"]) < TPOT_AGREEMENT, details["tpot_agreement"]
+    # Honest by default: a workload's headline is the client's figure only where vLLM confirms it
+    # (TPOT within 10 % token-weighted and for 90 % of its requests), else vLLM's own; a stalled
+    # host's collapsed windows (seen here under load: -99.7 %) never become the figure.
+    for workload in details["workloads"]:
+        chosen, rows = details["headline"][workload["name"]], workload["per_request"]
+        agreeing = [
+            r for r in rows if r["tpot_relative_difference"] is not None and abs(r["tpot_relative_difference"]) <= 0.1
+        ]
+        confirmed = len(agreeing) >= 0.9 * len(rows) and abs(workload["tpot_agreement"]["relative_difference"]) <= 0.1
+        assert chosen["client_valid"] is confirmed, chosen
+        expected = workload["decode_tok_s_median"] if confirmed else workload["server_decode_tok_s_median"]
+        assert figures[f"decode_tok_s_median[{workload['name']}]"] == chosen["value"] == expected
+        assert abs(chosen["value"] / workload["server_decode_tok_s_median"] - 1) < 0.25, chosen
     assert figures["decode_tok_s_median"] > 0
     assert cpu["share"] < 0.5  # the client is not what limits the figures
 
@@ -304,7 +310,12 @@ def test_e2e_albond_method_scaled(live_server: LiveServer) -> None:
         assert prompt["completion_tokens"] == prompt["max_tokens"]
         assert prompt["tok_s"] == pytest.approx(prompt["completion_tokens"] / prompt["wall_s"])
     assert figures["e2e_tok_s"] == pytest.approx(sum(p["tok_s"] for p in details["prompts"]) / 5)
-    assert figures["acceptance_length"] >= 1.0
+    # acceptance is vLLM's own counters over the measured runs: 1 + accepted / drafts, each draft at
+    # most num_speculative_tokens (3) long, and the counting-style prompts get some accepted
+    spec = details["spec_decode"]
+    assert 0 < spec["drafts"] <= spec["draft_tokens"] <= 3 * spec["drafts"], spec
+    assert 0 < spec["accepted_tokens"] <= spec["draft_tokens"], spec
+    assert figures["acceptance_length"] == pytest.approx(1 + spec["accepted_tokens"] / spec["drafts"])
 
 
 def test_cli_result_json_and_baseline_gate(live_server: LiveServer, tmp_path: Path) -> None:
