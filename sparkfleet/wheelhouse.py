@@ -310,6 +310,30 @@ def check(spec: Flavor, lock: Path | None = None, metadata: Path | None = None) 
     return problems
 
 
+def wheel_requirements(wheel: Path) -> list[str]:
+    """The ``Requires-Dist`` lines of a built wheel's METADATA."""
+    import email.parser
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            names = [n for n in archive.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
+            if len(names) != 1:
+                raise LockError(f"{wheel}: {len(names)} .dist-info/METADATA files, a wheel has one")
+            text = archive.read(names[0]).decode("utf-8")
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise LockError(f"{wheel}: not a readable wheel ({exc})") from exc
+    return email.parser.Parser().parsestr(text).get_all("Requires-Dist") or []
+
+
+def check_wheel(spec: Flavor, wheel: Path) -> list[str]:
+    """Every requirement of a built wheel (the patched vLLM) that the lock does not satisfy."""
+    _, dists = load_metadata(spec.metadata)
+    dists.pop(spec.root_name, None)  # the built wheel replaces the root
+    _reached, problems, _missing = walk(dists, wheel_requirements(wheel), spec.target)
+    return [p.replace("(root)", wheel.name, 1) for p in problems]
+
+
 def render_lock(spec: Flavor, dists: dict[str, Locked], resolver: str) -> str:
     lines = [
         f"# {spec.about}",
@@ -525,6 +549,10 @@ def command_lock(args: argparse.Namespace) -> int:
 def command_check(args: argparse.Namespace) -> int:
     spec = flavor(args.flavor)
     problems = check(spec)
+    if args.wheel is not None and not problems:
+        problems = check_wheel(spec, args.wheel)
+        if not problems:
+            print(f"{args.wheel.name}: every requirement is in {spec.lock.name}")
     for problem in problems:
         print(f"{spec.lock.name}: {problem}", file=sys.stderr)
     if problems:
@@ -558,4 +586,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         )
         if name == "download":
             action.add_argument("--dest", type=Path, required=True, help="the wheelhouse directory")
+        if name == "check":
+            action.add_argument("--wheel", type=Path, help="also check a built wheel's requirements against the lock")
         action.set_defaults(func=_guarded(func))

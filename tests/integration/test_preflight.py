@@ -40,6 +40,17 @@ PLAYBOOK = "tests/integration/playbooks/preflight.yml"
 GPU_JSON = "/etc/sparkfleet-test/gpu.json"
 CLOCK_LOCK_RECORD = "/run/sparkfleet/nvidia-clock-lock"
 KV_CONFIGS = "tests/fixtures/kv_configs"
+# the manifest "cuda" section of PyPI's vllm-0.23.0 aarch64 wheel, as `sparkfleet wheel cuda --json` measured it
+PYPI_WHEEL_CUDA = json.loads(
+    (Path(__file__).resolve().parents[1] / "fixtures/cuda/pypi-vllm-0.23.0-aarch64.json").read_text()
+)
+HOPPER_ONLY_CUDA = {
+    "binaries": {
+        "vllm/_C.abi3.so": {"sass": ["sm_90a", "sm_100"], "ptx": []},
+        "vllm/_moe_C.abi3.so": {"sass": ["sm_90a"], "ptx": []},
+    },
+    "required": PYPI_WHEEL_CUDA["required"],
+}
 
 # The sandbox hosts have ~20 GiB of memory and tens of GiB of disk; these pass there, so that each
 # test moves exactly one input out of range.
@@ -149,6 +160,15 @@ def test_gb10_on_580_passes_and_changes_nothing(spark: Host) -> None:
 
 
 REFUSALS = {
+    "wheel-without-code-for-12.1": (
+        {},
+        {"spark_preflight_wheel_cuda": HOPPER_ONLY_CUDA},
+        [
+            "the vLLM wheel has no CUDA code for compute capability 12.1",
+            "vllm/_C.abi3.so has only sm_90a, sm_100; vllm/_moe_C.abi3.so has only sm_90a",
+            "sparkfleet wheel build --source PATH --sha256 HEX",
+        ],
+    ),
     "driver-590": (
         {"driver_version": "590.44.01", "cuda_version": "13.1"},
         {},
@@ -257,6 +277,12 @@ def test_a_port_taken_by_another_process_is_named_before_anything_changes(spark:
         assert spark.snapshot() == before
     finally:
         spark.sh(f"systemctl stop {squatter} || true")
+
+
+def test_pypi_s_aarch64_wheel_passes_on_the_gb10_naming_the_kernels_the_driver_jit_compiles(spark: Host) -> None:
+    run = play(spark.name, {**PASSING_VARS, "spark_preflight_wheel_cuda": PYPI_WHEEL_CUDA})
+    assert run.returncode == 0, run.output[-3000:]
+    assert "no SASS for 12.1 in vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so (compute_80)" in run.output, run.output[-3000:]
 
 
 def test_kv_plan_with_the_pinned_drafter_passes(spark: Host) -> None:

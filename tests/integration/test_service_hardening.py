@@ -176,16 +176,49 @@ def test_beyond_loopback_only_keyed_requests_get_in(host: Host, sandbox_fleet, t
     secret_vars.chmod(0o600)
     checked = run_playbook("playbooks/health.yml", "-vvv", "--limit", host.name, "-e", f"@{secret_vars}", timeout=600)
     assert checked.returncode == 0, checked.output[-4000:]
-    # a keyed server is benchmarked with its key (read on the host from the root-only secrets file)
+    # a keyed server is benchmarked with its key (read on the host from the root-only secrets file), by
+    # every method: the two sparkfleet clients and vllm bench serve (the key in its environment)
     results = ROOT / "results" / host.name
-    before = set(results.glob("*-decode.json")) if results.is_dir() else set()
-    bench_vars = {"serve_bench_quick": True, "serve_bench_methods": ["decode"], "serve_bench_fail_on_regression": False}
+    before = set(results.glob("*.json")) if results.is_dir() else set()
+    bench_vars = {
+        "serve_bench_quick": True,
+        "serve_bench_methods": ["decode", "e2e", "serving"],
+        "serve_bench_ignore_eos": True,
+        "serve_bench_decode_workloads": ["prose", "counting"],
+        "serve_bench_fail_on_regression": False,
+    }
     bench = run_playbook(
         "playbooks/bench.yml", "-vvv", "--limit", host.name, "-e", f"@{secret_vars}", "-e", json.dumps(bench_vars)
     )
     assert bench.returncode == 0, bench.output[-4000:]
-    (result,) = sorted(set(results.glob("*-decode.json")) - before)
-    assert json.loads(result.read_text())["figures"]["decode_tok_s_median"] > 0
+    new = {json.loads(p.read_text())["kind"]: json.loads(p.read_text()) for p in set(results.glob("*.json")) - before}
+    assert set(new) == {"decode", "e2e", "serving"}, sorted(new)
+    assert new["decode"]["figures"]["decode_tok_s_median"] > 0 and new["e2e"]["figures"]["e2e_tok_s"] > 0
+    assert (new["serving"]["figures"]["serving_completed"], new["serving"]["figures"]["serving_failed"]) == (8, 0)
+    # the quick benchmark of `make quick-bench` (sparkfleet ops bench) and the rolling gate, keyed
+    quick = subprocess.run(
+        [sys.executable, "-m", "sparkfleet", "ops", "bench", "-l", host.name, "--workloads", "prose",
+         "--max-requests", "1", "--max-tokens-scale", "0.05", "--ignore-eos", "--out", str(tmp_path / "quick")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert quick.returncode == 0, quick.stdout + quick.stderr
+    assert len(list((tmp_path / "quick" / host.name).glob("*-decode.json"))) == 1, quick.stdout
+    rolled = run_playbook(
+        "playbooks/rolling.yml", "--limit", host.name, "-e", "sparkfleet_profile=dflash",
+        "-e", "sparkfleet_api_host=0.0.0.0", "-e", f"@{secret_vars}", timeout=900,
+    )  # fmt: skip
+    assert rolled.returncode == 0, rolled.output[-4000:]
+    assert f"{host.name}: decode (quick)" in rolled.output, rolled.output[-4000:]
+    # the report of everything fetched
+    report = subprocess.run(
+        [sys.executable, "-m", "sparkfleet", "report", "--results", str(ROOT / "results"), "--out",
+         str(tmp_path / "report" / "report.md")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert report.returncode == 0, report.stdout + report.stderr
+    assert f"## {host.name} / dflash" in (tmp_path / "report" / "report.md").read_text()
+    for written in (tmp_path / "report").rglob("*"):
+        assert not written.is_file() or API_KEY.encode() not in written.read_bytes(), written
     # what a deploy would change, in check mode with the key (make drift): it runs, and shows no key
     # (the last-good copy of the unit, kept only by full deploys, may differ after the --tags deploy)
     drift = run_playbook(
@@ -205,7 +238,8 @@ def test_beyond_loopback_only_keyed_requests_get_in(host: Host, sandbox_fleet, t
     # Ansible's output, or any other file of the host's state and temporary directories
     assert API_KEY not in host.sh(f"cat {UNIT_PATH}")
     assert host.sh("stat -c '%a %U %G' /etc/sparkfleet/vllm-dflash.env") == "600 root root"
-    for output in (exposed.output, checked.output, bench.output, drift.output, status.stdout, status.stderr):
+    outputs = (exposed.output, checked.output, bench.output, drift.output, status.stdout, status.stderr)
+    for output in (*outputs, quick.stdout, quick.stderr, rolled.output, report.stdout, report.stderr):
         assert API_KEY not in output
     for fetched in results.rglob("*"):  # the results fetched to the controller
         assert not fetched.is_file() or API_KEY.encode() not in fetched.read_bytes(), fetched

@@ -286,3 +286,20 @@ def test_the_command_checks_the_committed_lock_and_names_an_unknown_flavor() -> 
     )
     assert bad.returncode == 1
     assert bad.stderr.strip() == "sparkfleet wheelhouse: --flavor 'gpu2' has no lock: use one of gpu"
+
+
+def test_a_built_wheel_s_requirements_are_checked_against_the_lock(tmp_path: Path) -> None:
+    def wheel(name: str, *requires: str) -> Path:
+        path = tmp_path / f"{name}-0.23.0+sf1-cp38-abi3-manylinux_2_28_aarch64.whl"
+        lines = "".join(f"Requires-Dist: {r}\n" for r in requires)
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("vllm-0.23.0+sf1.dist-info/METADATA", f"Metadata-Version: 2.1\nName: vllm\n{lines}")
+        return path
+
+    good = wheel("vllm", "torch==2.11.0", "six>=1.16.0; python_version > '3.11'", "pytest; extra == 'test'")
+    assert wh.check_wheel(GPU, good) == []
+    bad = wheel("vllm2", "torch==2.12.0", "sparkfleet-not-locked>=1")
+    assert wh.check_wheel(GPU, bad) == [
+        f"{bad.name} requires torch==2.12.0 but the lock has torch==2.11.0",
+        f"{bad.name} requires sparkfleet-not-locked>=1 but the lock has no sparkfleet-not-locked",
+    ]
