@@ -30,7 +30,6 @@ tests run it, so a hand edit of either file, or a lock made for another machine,
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -46,6 +45,7 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
+from sparkfleet.wheel_build import sha256_file
 from sparkfleet.wheel_closure import ClosureError, TargetMachine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -478,14 +478,6 @@ def lock(spec: Flavor, python: str = sys.executable, resolver=pip_resolver) -> b
 
 
 # ------------------------------------------------------------------------------------ download
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def download(spec: Flavor, dest: Path, python: str = sys.executable) -> int:
