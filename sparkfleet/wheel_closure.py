@@ -81,6 +81,7 @@ class Dist:
     url: str
     sha256: str
     requires_dist: tuple[str, ...]
+    requires_python: str = ""
 
 
 @dataclass
@@ -109,10 +110,11 @@ def load_report(path: Path) -> dict[str, Dist]:
         dists[name] = Dist(
             name=name,
             version=str(meta["version"]),
-            filename=info["url"].rsplit("/", 1)[-1],
+            filename=info["url"].rsplit("/", 1)[-1].split("#", 1)[0],
             url=info["url"],
-            sha256=hashes.get("sha256", ""),
+            sha256=str(hashes.get("sha256", "")),
             requires_dist=tuple(meta.get("requires_dist") or ()),
+            requires_python=str(meta.get("requires_python") or ""),
         )
     return dists
 

