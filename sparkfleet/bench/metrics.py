@@ -1,7 +1,6 @@
 """Parse vLLM's Prometheus ``/metrics`` text and compute deltas over a measurement window.
 
-It runs on a serving host under the service venv's Python and on the controller; the exposition
-format is parsed by ``prometheus_client`` (a vLLM dependency, so the service venv has it).
+Standard library only: this module runs on a serving host under the service venv's Python.
 
 The figures taken from ``/metrics`` (metric names as vLLM 0.23 exposes them, see
 ``vllm/v1/spec_decode/metrics.py`` and ``vllm/v1/metrics/loggers.py``):
@@ -27,8 +26,6 @@ import math
 import time
 import urllib.request
 from dataclasses import dataclass, field
-
-from prometheus_client.parser import text_string_to_metric_families
 
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
@@ -60,26 +57,65 @@ class Sample:
         return None
 
 
-def _samples(text: str) -> list[Sample]:
-    return [
-        Sample(name=sample.name, labels=tuple(sample.labels.items()), value=float(sample.value))
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    ]
+def _parse_labels(text: str, line: str) -> tuple[tuple[str, str], ...]:
+    """Parse ``a="x",b="y"`` (the part between braces), honouring ``\\"``, ``\\\\`` and ``\\n``."""
+    labels: list[tuple[str, str]] = []
+    index = 0
+    length = len(text)
+    while index < length:
+        while index < length and text[index] in " ,":
+            index += 1
+        if index >= length:
+            break
+        equals = text.find("=", index)
+        if equals < 0 or equals + 1 >= length or text[equals + 1] != '"':
+            raise MetricsFormatError(f"bad label set in /metrics line {line!r}")
+        key = text[index:equals].strip()
+        index = equals + 2
+        value_chars: list[str] = []
+        while True:
+            if index >= length:
+                raise MetricsFormatError(f"unterminated label value in /metrics line {line!r}")
+            char = text[index]
+            if char == "\\" and index + 1 < length:
+                escaped = text[index + 1]
+                value_chars.append({"n": "\n", '"': '"', "\\": "\\"}.get(escaped, escaped))
+                index += 2
+                continue
+            if char == '"':
+                index += 1
+                break
+            value_chars.append(char)
+            index += 1
+        labels.append((key, "".join(value_chars)))
+    return tuple(labels)
 
 
 def parse_prometheus_text(text: str) -> list[Sample]:
     """Parse Prometheus text exposition format into samples (comments and blank lines skipped)."""
-    try:
-        return _samples(text)
-    except ValueError as exc:
-        for line in text.splitlines():  # name the line: parse them one at a time
-            if line.strip() and not line.lstrip().startswith("#"):
-                try:
-                    _samples(line + "\n")
-                except ValueError as line_exc:
-                    raise MetricsFormatError(f"/metrics line {line.strip()!r}: {line_exc}") from exc
-        raise MetricsFormatError(f"/metrics is not Prometheus text exposition format: {exc}") from exc
+    samples: list[Sample] = []
+    for raw_line in text.splitlines():
+        line = raw_line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name, _, rest = line.partition("{")
+            close = rest.rfind("}")
+            if close < 0:
+                raise MetricsFormatError(f"unclosed label set in /metrics line {line!r}")
+            labels = _parse_labels(rest[:close], line)
+            value_part = rest[close + 1 :].split()
+        else:
+            parts = line.split()
+            name, labels, value_part = parts[0], (), parts[1:]
+        if not value_part:
+            raise MetricsFormatError(f"no value in /metrics line {line!r}")
+        try:
+            value = float(value_part[0])  # float() accepts +Inf, -Inf and NaN
+        except ValueError as exc:
+            raise MetricsFormatError(f"bad value {value_part[0]!r} in /metrics line {line!r}") from exc
+        samples.append(Sample(name=name.strip(), labels=labels, value=value))
+    return samples
 
 
 @dataclass(frozen=True)

@@ -423,8 +423,8 @@ def test_prometheus_sum_adds_every_label_set_and_skips_lookalikes() -> None:
     [
         (None, "vllm:x_total", "expected the /metrics text, got NoneType"),
         ("", "not a name", "'not a name' is not a Prometheus metric name"),
-        ('vllm:x_total{a="1" 3\n', "vllm:x_total", "/metrics is not Prometheus text"),
-        ("vllm:x_total{} abc\n", "vllm:x_total", "could not convert string to float: 'abc'"),
+        ('vllm:x_total{a="1" 3\n', "vllm:x_total", "unterminated labels"),
+        ("vllm:x_total{} abc\n", "vllm:x_total", "value 'abc'"),
     ],
 )
 def test_prometheus_sum_names_bad_input(text: Any, name: str, fragment: str) -> None:

@@ -1,8 +1,8 @@
 """Ansible filter over Prometheus text exposition (vLLM's ``/metrics``), for the serve_health role.
 
 ``sparkfleet_prometheus_sum(text, name)``: the sum of every sample of the metric ``name`` over all
-its label sets (a vLLM server exposes one per engine), 0.0 when the metric is absent. The text is
-parsed by ``prometheus_client`` (a controller dependency), as ``sparkfleet.bench.metrics`` does.
+its label sets (a vLLM server exposes one per engine), 0.0 when the metric is absent. Pure and
+standard library only; the same parsing rules as ``sparkfleet.bench.metrics``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import math
 import re
 from typing import Any
-
-from prometheus_client.parser import text_string_to_metric_families
 
 try:
     from ansible.errors import AnsibleFilterError
@@ -25,24 +23,37 @@ METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
 
 def sparkfleet_prometheus_sum(text: Any, name: str) -> float:
-    """Sum of the finite samples named ``name`` in Prometheus text ``text``; 0.0 if it has none.
+    """Sum of the samples of metric ``name`` in Prometheus text ``text``; 0.0 if it has none.
 
-    Other metrics sharing the name as a prefix (``name`` + ``_other``, ``_created``) do not count.
+    A sample line is ``name{labels} value`` or ``name value`` (an optional timestamp after the value
+    is ignored). ``# HELP``/``# TYPE`` lines and other metrics (e.g. ``name`` + ``_created``) are skipped.
     """
     if not isinstance(text, str):
         raise AnsibleFilterError(f"sparkfleet_prometheus_sum: expected the /metrics text, got {type(text).__name__}")
     if not isinstance(name, str) or not METRIC_NAME.match(name):
         raise AnsibleFilterError(f"sparkfleet_prometheus_sum: {name!r} is not a Prometheus metric name")
-    try:
-        values = [
-            sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-            if sample.name == name
-        ]
-    except ValueError as exc:
-        raise AnsibleFilterError(f"sparkfleet_prometheus_sum: /metrics is not Prometheus text ({exc})") from exc
-    return float(sum(value for value in values if math.isfinite(value)))
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        rest = line[len(name) :]
+        if rest.startswith("{"):
+            close = rest.rfind("}")
+            if close < 0:
+                raise AnsibleFilterError(f"sparkfleet_prometheus_sum: unterminated labels in {line[:120]!r}")
+            rest = rest[close + 1 :]
+        elif not rest.startswith((" ", "\t")):
+            continue  # another metric sharing the prefix
+        fields = rest.split()
+        if not fields:
+            raise AnsibleFilterError(f"sparkfleet_prometheus_sum: no value in {line[:120]!r}")
+        try:
+            value = float(fields[0])
+        except ValueError as exc:
+            raise AnsibleFilterError(f"sparkfleet_prometheus_sum: value {fields[0]!r} in {line[:120]!r}") from exc
+        if math.isfinite(value):
+            total += value
+    return total
 
 
 class FilterModule:
