@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
 import subprocess
@@ -69,45 +67,11 @@ def sandbox_hosts(sandbox_fleet) -> list[str]:  # noqa: F811 - the fixture impor
     return sandbox_fleet.names
 
 
-FIRST_DEPLOY_PLAY = ("site.yml", "-e", "sparkfleet_profile=dflash")
-SERVED_UNIT = "sparkfleet-vllm-dflash.service"
-
-
-def host_fingerprints(fleet) -> dict[str, str | None]:  # noqa: ANN001 - a SandboxFleet
-    """Each host's state.json digest while its unit is active (None otherwise)."""
-    prints: dict[str, str | None] = {}
-    for name in fleet.names:
-        state = fleet.ssh(name, f"systemctl is-active --quiet {SERVED_UNIT} && cat /etc/sparkfleet/state.json")
-        prints[name] = hashlib.sha256(state.stdout.encode()).hexdigest() if state.returncode == 0 else None
-    return prints
-
-
-def recorded_first_deploy(fleet) -> PlaybookRun | None:  # noqa: ANN001 - a SandboxFleet
-    """The first deploy tests/integration/first_deploy.py ran ahead of this session (make test), when
-    SPARKFLEET_FIRST_DEPLOY names its record and every host still serves the state it left."""
-    path = os.environ.get("SPARKFLEET_FIRST_DEPLOY")
-    if not path or not Path(path).is_file():
-        return None
-    record = json.loads(Path(path).read_text(encoding="utf-8"))
-    if record.get("play") != list(FIRST_DEPLOY_PLAY):
-        return None
-    run = PlaybookRun(record["returncode"], record["output"], record["recap"])
-    if run.returncode != 0:
-        return run  # its failure, with its output, is the fixture's to report
-    now = host_fingerprints(fleet)
-    if now != record["hosts"] or None in now.values():
-        print(f"converged_fleet: {path} no longer matches the hosts ({record['hosts']} then, {now} now): deploying")
-        return None
-    print(f"converged_fleet: the first deploy ran ahead of the tests ({path}); its output:\n{run.output[-6000:]}")
-    return run
-
-
 @pytest.fixture(scope="session")
 def converged_fleet(sandbox_fleet):  # noqa: F811 - the fixture imported above
     """The fleet after one real `site.yml` deploy of the dflash profile (shared by every test that
-    needs serving hosts; each such test leaves the fleet in this state). `make test` runs that deploy
-    ahead of the session, beside the vLLM tests (tests/integration/first_deploy.py)."""
-    run = recorded_first_deploy(sandbox_fleet) or run_playbook(*FIRST_DEPLOY_PLAY)
+    needs serving hosts; each such test leaves the fleet in this state)."""
+    run = run_playbook("site.yml", "-e", "sparkfleet_profile=dflash")
     assert run.returncode == 0, run.output[-4000:]
     assert set(run.recap) >= set(sandbox_fleet.names)
     return run
