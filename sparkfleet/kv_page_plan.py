@@ -147,7 +147,11 @@ class KVPlan:
     mamba_page_size_bytes: int | None  # the GDN state page before padding
     padding_pct: float  # how much the GDN page is padded to reach the common page
     kernel_block_sizes: dict[str, int] = field(default_factory=dict)
-    failure_stage: str | None = None  # "alignment", "unify", "grouping", "kernel" or "view"
+    failure_stage: str | None = None  # "alignment", "unify", "grouping", "kernel", "view" or "scheduler"
+    # resolve_kv_cache_block_sizes: the scheduler's token alignment and the prefix-cache hash block
+    # (None when the plan failed before the scheduler, or without prefix caching and max_model_len)
+    scheduler_block_size: int | None = None
+    hash_block_size: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -432,6 +436,41 @@ def _check_runner(specs: list[_Spec], kernel_sizes: list[KernelSize], kernel_blo
             )
 
 
+def _check_scheduler(
+    specs: list[_Spec], cache_block_size: int, enable_prefix_caching: bool, max_model_len: int | None
+) -> tuple[int, int] | None:
+    """resolve_kv_cache_block_sizes and the KV cache coordinator's asserts: (scheduler, hash) block sizes.
+
+    vLLM builds one KV cache group or several (the GDN layers' groups and one or more of attention
+    layers); a group's block is its spec's. None when the answer needs ``max_model_len`` (the GDN
+    group's block without prefix caching) and none was given.
+    """
+    blocks = []
+    for spec in specs:
+        if spec.kind == "mamba" and not enable_prefix_caching:
+            if max_model_len is None:
+                return None
+            blocks.append(max_model_len)  # mamba cache mode "none": one block holds the whole sequence
+        else:
+            blocks.append(spec.block_size)
+    if len({spec.identity() for spec in specs}) == 1:  # one spec type: one group
+        return cache_block_size, cache_block_size
+    scheduler = math.lcm(*blocks)
+    if not enable_prefix_caching:
+        return scheduler, scheduler
+    if any(spec.kind == "mamba" and spec.block_size != cache_block_size for spec in specs):
+        bad = sorted({b for b in blocks if b % scheduler})
+        if bad:
+            raise _UnifyError(
+                "scheduler",
+                f"a GDN block differs from cache_config.block_size {cache_block_size}, so prefix caching hashes "
+                f"on the {scheduler}-token LCM of the group blocks and HybridKVCacheCoordinator asserts "
+                f'"block_size must be divisible by hash_block_size" (group blocks {sorted(set(blocks))})',
+            )
+        return scheduler, scheduler
+    return scheduler, math.gcd(*blocks)
+
+
 def _align(
     block_size: int,
     kernel_alignment: int,
@@ -465,6 +504,7 @@ def plan(
     platform: str = "cuda",
     block_size: int | None = None,
     enable_prefix_caching: bool = False,
+    max_model_len: int | None = None,
 ) -> KVPlan:
     """Predict vLLM 0.23's KV page unification for a target + drafter, stock or patched.
 
@@ -472,6 +512,7 @@ def plan(
     and n > 0 it plans drafter-less speculation (ngram). ``drafter_label`` names the drafter in
     ``reason`` (e.g. its revision). The other options are vLLM's serve flags; ``attention_backend``
     defaults to FLASH_ATTN on CUDA and CPU_ATTN on CPU, ``block_size`` None to the platform's default.
+    ``max_model_len`` only sets the scheduler's block sizes without prefix caching (the GDN group's block).
     A stock plan that fails says in its reason whether the patched build unifies the case.
     Raises KVPlanInputError for configs or options it cannot read.
     """
@@ -486,6 +527,7 @@ def plan(
         "platform": platform,
         "block_size": block_size,
         "enable_prefix_caching": enable_prefix_caching,
+        "max_model_len": max_model_len,
     }
     result = _plan(target_config, drafter_config, num_speculative_tokens, patched, **options)
     if not result.ok and not patched:
@@ -514,11 +556,13 @@ def _plan(
     platform: str = "cuda",
     block_size: int | None = None,
     enable_prefix_caching: bool = False,
+    max_model_len: int | None = None,
 ) -> KVPlan:
     """plan() for one build. With prefix caching the modelled architectures run mamba cache mode
-    "align" (none of them supports "all"), whose alignment is the one without prefix caching, so
-    ``enable_prefix_caching`` changes no figure."""
-    del enable_prefix_caching  # same alignment in mamba cache modes "none" and "align"
+    "align" (none of them supports "all"), whose alignment is the one without prefix caching; what
+    prefix caching changes is the GDN group's block, and so the scheduler's block sizes."""
+    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len <= 0):
+        raise KVPlanInputError(f"max_model_len {max_model_len!r} must be a positive integer (tokens)")
     if platform not in PLATFORMS:
         raise KVPlanInputError(f"platform {platform!r} is not modelled; use one of {', '.join(PLATFORMS)}")
     if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
@@ -603,10 +647,12 @@ def _plan(
 
     kernel_blocks: dict[str, int] = {}
     failure: _UnifyError | None = None
+    scheduler_blocks: tuple[int, int] | None = None
     try:
         (_unify_patched if patched else _unify_stock)(specs)
         _check_groups(specs)
         _check_runner(specs, kernel_sizes, kernel_blocks)
+        scheduler_blocks = _check_scheduler(specs, attention_block, enable_prefix_caching, max_model_len)
     except _UnifyError as exc:
         failure = exc
 
@@ -640,6 +686,10 @@ def _plan(
     detail += f", page {common_page} B"
     if mamba_page:
         detail += f", GDN page padded {padding_pct:.2f}%"
+    if scheduler_blocks is not None:
+        detail += f", scheduler block {scheduler_blocks[0]}"
+        if enable_prefix_caching:
+            detail += f", prefix-cache hash block {scheduler_blocks[1]}"
     return KVPlan(
         ok=True,
         reason=f"{drafter_desc}, n={n}: {version} vLLM 0.23 unifies the KV cache ({detail})",
@@ -652,6 +702,8 @@ def _plan(
         mamba_page_size_bytes=mamba_page,
         padding_pct=round(padding_pct, 4),
         kernel_block_sizes=kernel_blocks,
+        scheduler_block_size=scheduler_blocks[0] if scheduler_blocks else None,
+        hash_block_size=scheduler_blocks[1] if scheduler_blocks else None,
     )
 
 
@@ -703,7 +755,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--attention-backend", choices=BACKENDS, help="default: FLASH_ATTN (cuda), CPU_ATTN (cpu)")
     parser.add_argument("--platform", default="cuda", choices=PLATFORMS)
     parser.add_argument("--block-size", type=int, help="a user --block-size (default: the platform's)")
-    parser.add_argument("--enable-prefix-caching", action="store_true", help="as vLLM's flag (same figures)")
+    parser.add_argument(
+        "--enable-prefix-caching", action="store_true", help="as vLLM's flag (the GDN group's block, the hash block)"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, help="as vLLM's flag: the GDN group's block without prefix caching"
+    )
     parser.add_argument(
         "--stock", action="store_true", help="judge stock vLLM 0.23 (default: with patch 0001, as sparkfleet ships)"
     )
@@ -728,6 +785,7 @@ def run(args: argparse.Namespace) -> int:
             "platform": args.platform,
             "block_size": args.block_size,
             "enable_prefix_caching": args.enable_prefix_caching,
+            "max_model_len": args.max_model_len,
         }
         plans = {
             version: plan(target, drafter, args.num_speculative_tokens, version == "patched", **options)

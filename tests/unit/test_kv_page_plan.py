@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -133,11 +134,27 @@ def test_select_kernel_block_size() -> None:
         ({"attention_backend": "FLEX"}, "attention backend 'FLEX'"),
         ({"block_size": 24}, "block_size 24"),
         ({"tensor_parallel_size": 3}, "tensor_parallel_size 3"),
+        ({"max_model_len": 0}, "max_model_len 0"),
+        ({"max_model_len": "262144"}, "max_model_len '262144'"),
     ],
 )
 def test_bad_options_name_the_value(target: dict, old_drafter: dict, kwargs: dict, message: str) -> None:
     with pytest.raises(KVPlanInputError, match=message):
         plan(target, old_drafter, 5, True, **kwargs)
+
+
+def test_scheduler_blocks_follow_prefix_caching(target: dict, new_drafter: dict) -> None:
+    """Without prefix caching the GDN group's block is max_model_len (no figure without it); with it, the
+    cache block, and prefix hashes go on the GCD of the groups' blocks (tests/vllm checks the figures)."""
+    off = plan(target, new_drafter, 8, True)
+    assert off.ok and (off.scheduler_block_size, off.hash_block_size) == (None, None)
+    off = plan(target, new_drafter, 8, True, max_model_len=262144)
+    blocks = (off.attention_block_size, off.drafter_block_size, 262144)
+    assert off.scheduler_block_size == off.hash_block_size == math.lcm(*blocks)
+    on = plan(target, new_drafter, 8, True, enable_prefix_caching=True)
+    assert on.ok and on.scheduler_block_size == math.lcm(on.attention_block_size, on.drafter_block_size)
+    assert on.hash_block_size == math.gcd(on.attention_block_size, on.drafter_block_size)
+    assert f"prefix-cache hash block {on.hash_block_size}" in on.reason
 
 
 def test_bad_configs_name_the_key(target: dict, old_drafter: dict) -> None:

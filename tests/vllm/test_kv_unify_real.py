@@ -90,6 +90,7 @@ class Case:
             platform=self.platform,
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
+            max_model_len=MAX_MODEL_LEN,
         )
 
 
@@ -98,7 +99,7 @@ class Outcome:
     """What the real vLLM code did with one case."""
 
     ok: bool
-    stage: str | None = None  # where it failed: "unify", "grouping", "kernel" or "view"
+    stage: str | None = None  # where it failed: "unify", "grouping", "kernel", "view" or "scheduler"
     error: str = ""
     attention_block_size: int | None = None
     drafter_block_size: int | None = None
@@ -108,6 +109,8 @@ class Outcome:
     kernel_block_sizes: dict[str, int] = field(default_factory=dict)
     padded_attention: bool = False
     log_lines: list[str] = field(default_factory=list)
+    scheduler_block_size: int | None = None
+    hash_block_size: int | None = None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -348,17 +351,6 @@ class RealVLLM:
             except AssertionError as exc:
                 outcome.stage, outcome.error = "grouping", f"AssertionError: {exc}"
                 return outcome
-        scheduler_block_size, hash_block_size = code.kv_cache_utils.resolve_kv_cache_block_sizes(
-            kv_cache_config, vllm_config
-        )
-        KVCacheManager(
-            kv_cache_config,
-            MAX_MODEL_LEN,
-            scheduler_block_size,
-            hash_block_size,
-            enable_caching=cache_config.enable_prefix_caching,
-            use_eagle=case.drafter is not None,
-        )
         pages = {group.kv_cache_spec.page_size_bytes for group in groups}
         assert len(pages) == 1, f"get_kv_cache_groups returned several page sizes: {pages}"
         outcome.page_size_bytes = pages.pop()
@@ -399,6 +391,25 @@ class RealVLLM:
             except RuntimeError as exc:
                 outcome.stage, outcome.error = "view", f"RuntimeError: {exc}"
                 return outcome
+
+        # 5. the scheduler, as EngineCore builds it after the workers' KV caches: its block sizes
+        # and the KV cache manager (the coordinator prefix caching picks, with its asserts)
+        try:
+            scheduler_block_size, hash_block_size = code.kv_cache_utils.resolve_kv_cache_block_sizes(
+                kv_cache_config, vllm_config
+            )
+            KVCacheManager(
+                kv_cache_config,
+                MAX_MODEL_LEN,
+                scheduler_block_size,
+                hash_block_size,
+                enable_caching=cache_config.enable_prefix_caching,
+                use_eagle=case.drafter is not None,
+            )
+        except (AssertionError, ValueError) as exc:
+            outcome.stage, outcome.error = "scheduler", f"{type(exc).__name__}: {exc}"
+            return outcome
+        outcome.scheduler_block_size, outcome.hash_block_size = scheduler_block_size, hash_block_size
         outcome.ok = True
         return outcome
 
@@ -611,18 +622,22 @@ def grid_cases() -> list[Case]:
         cases.append(
             Case("--block-size 4096", target, DRAFTERS_JSON[revision], f"dflash {revision}", 5, block_size=4096)
         )
-    # prefix caching on (mamba cache mode "align"; the KV cache manager gets the hybrid coordinator)
-    for revision in DRAFTERS:
-        cases.append(
-            Case(
-                "prefix caching",
-                target,
-                DRAFTERS_JSON[revision],
-                f"dflash {revision}",
-                8,
-                enable_prefix_caching=True,
-            )
+    # prefix caching off and on (mamba cache mode "align": the GDN group's block becomes the cache block
+    # and the KV cache manager gets the hybrid coordinator) over every n the recipe could serve, for
+    # both pinned drafters and drafters with 2x and 4x the target's KV bytes per token
+    target_bytes = target["text_config"]["num_key_value_heads"] * target["text_config"]["head_dim"]
+    prefix_drafters = {**{f"dflash {r}": DRAFTERS_JSON[r] for r in DRAFTERS}}
+    for factor, (kv_heads, head_dim) in ((2, (8, 128)), (4, (16, 128)), (4, (8, 256))):
+        assert kv_heads * head_dim == factor * target_bytes
+        prefix_drafters[f"{factor}x KV bytes {kv_heads}x{head_dim}"] = variant(
+            drafter, num_key_value_heads=kv_heads, head_dim=head_dim
         )
+    for caching in (False, True):
+        label = "prefix caching" if caching else "no prefix caching"
+        cases.append(Case(f"{label}, target only", target, None, None, 0, enable_prefix_caching=caching))
+        for name, config in prefix_drafters.items():
+            for n in range(1, 17):
+                cases.append(Case(label, target, config, name, n, enable_prefix_caching=caching))
     # the CPU platform (sandbox): block 128, CPU_ATTN
     for revision in DRAFTERS:
         for n in (5, 12):
@@ -770,6 +785,10 @@ def test_planner_matches_real_vllm(reference_rows: list[dict[str, Any]], grid_ro
             assert predicted.page_size_bytes == real.page_size_bytes, where
             assert predicted.padding_pct == pytest.approx(real.padding_pct, abs=1e-3), where
             assert predicted.kernel_block_sizes == real.kernel_block_sizes, where
+            assert (predicted.scheduler_block_size, predicted.hash_block_size) == (
+                real.scheduler_block_size,
+                real.hash_block_size,
+            ), where
         else:
             assert predicted.failure_stage == real.stage, (where, real.error, predicted.reason)
         if real.mamba_page_size_bytes is not None:
@@ -852,6 +871,83 @@ def test_a_padded_attention_page_with_a_smaller_kernel_block_mis_strides(real_vl
         kv_page_plan._check_runner(planner_specs, [16, 32, 64], {})
 
 
+@pytest.mark.parametrize(
+    ("cache_block", "mamba_block", "drafter_block", "caching", "fails"),
+    [
+        (2112, 2112, 1056, True, False),  # what the patched build serves: hash on the GCD
+        (2112, 2112, 1056, False, False),
+        (2112, 4224, 1056, True, True),  # a GDN block off the cache block: the LCM back-off, then the assert
+        (4224, 2112, 4224, True, True),
+        (2112, 1056, 2112, True, True),
+        (2096, 2096, 2096, True, False),  # the drafter shares the target's spec
+    ],
+)
+def test_the_scheduler_block_sizes_and_the_coordinator_asserts_match_the_planner(
+    real_vllm: RealVLLM, cache_block: int, mamba_block: int, drafter_block: int, caching: bool, fails: bool
+) -> None:
+    """resolve_kv_cache_block_sizes and the KV cache coordinator over hand-built groups, including GDN
+    blocks no vLLM 0.23 layout reaches (the back-off to the LCM), against the planner's model."""
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    case = Case("hand-built groups", load_json(TARGET_FIXTURE), None, None, 0, enable_prefix_caching=caching)
+    vllm_config = real_vllm.vllm_config(case)
+    vllm_config.cache_config.block_size = cache_block
+    target = FullAttentionSpec(block_size=cache_block, num_kv_heads=2, head_size=256, dtype=torch.bfloat16)
+    drafter = FullAttentionSpec(
+        block_size=drafter_block,
+        num_kv_heads=2 if drafter_block == cache_block else 8,
+        head_size=256 if drafter_block == cache_block else 128,
+        dtype=torch.bfloat16,
+    )
+    mamba = MambaSpec(
+        shapes=((3, 8192), (64, 128, 128)),
+        dtypes=(torch.bfloat16, torch.float32),
+        block_size=mamba_block if caching else MAX_MODEL_LEN,
+        mamba_cache_mode="align" if caching else "none",
+    )
+    groups = [KVCacheGroupSpec(["t"], target), KVCacheGroupSpec(["g0"], mamba), KVCacheGroupSpec(["g1"], mamba)]
+    if drafter != target:
+        groups.append(KVCacheGroupSpec(["d"], drafter))
+    else:
+        groups[0] = KVCacheGroupSpec(["t", "d"], target)
+    real: tuple[int, int] | str
+    try:
+        real = real_vllm.stock.kv_cache_utils.resolve_kv_cache_block_sizes(
+            KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups), vllm_config
+        )
+        KVCacheManager(
+            KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups),
+            MAX_MODEL_LEN,
+            *real,
+            enable_caching=caching,
+            use_eagle=True,
+        )
+    except (AssertionError, ValueError) as exc:
+        real = str(exc)
+    planner_specs = [
+        kv_page_plan._Spec("target attention", "attention", cache_block, bytes_per_token=1024, geometry=(2, 256)),
+        kv_page_plan._Spec("GDN state", "mamba", mamba_block, state_bytes=1 << 20),
+    ]
+    if drafter != target:
+        planner_specs.append(
+            kv_page_plan._Spec("drafter attention", "attention", drafter_block, bytes_per_token=2048, geometry=(8, 128))
+        )
+    try:
+        predicted: tuple[int, int] | str | None = kv_page_plan._check_scheduler(
+            planner_specs, cache_block, caching, MAX_MODEL_LEN
+        )
+    except kv_page_plan._UnifyError as exc:
+        assert exc.stage == "scheduler"
+        predicted = str(exc)
+    assert isinstance(real, str) == fails, real
+    if isinstance(real, str):
+        assert isinstance(predicted, str) and real in predicted, (real, predicted)
+    else:
+        assert predicted == tuple(real)
+
+
 # --------------------------------------------------------------------------------------------------
 # the table (docs/kv-unify.md)
 # --------------------------------------------------------------------------------------------------
@@ -865,7 +961,10 @@ def _cell(outcome: Outcome) -> str:
     if outcome.drafter_block_size is not None:
         blocks += f" / {outcome.drafter_block_size}"
         kernels += f" / {outcome.kernel_block_sizes.get('drafter attention')}"
-    return f"ok: {blocks} (kernel {kernels}), pad {outcome.padding_pct:.2f}%"
+    cell = f"ok: {blocks} (kernel {kernels}), pad {outcome.padding_pct:.2f}%, sched {outcome.scheduler_block_size}"
+    if outcome.hash_block_size != outcome.scheduler_block_size:
+        cell += f" / hash {outcome.hash_block_size}"
+    return cell
 
 
 def render_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -912,11 +1011,15 @@ def _agrees(row: dict[str, Any]) -> bool:
         predicted.drafter_block_size,
         predicted.page_size_bytes,
         round(predicted.padding_pct, 2),
+        predicted.scheduler_block_size,
+        predicted.hash_block_size,
     ) == (
         real.attention_block_size,
         real.drafter_block_size,
         real.page_size_bytes,
         round(real.padding_pct, 2),
+        real.scheduler_block_size,
+        real.hash_block_size,
     )
 
 
@@ -933,10 +1036,13 @@ def render_document(reference: list[dict[str, Any]], grid: list[dict[str, Any]],
         "Each cell is what the real vLLM code did: `ok: A / D (kernel a / d), pad P%` is the target's",
         "attention block A, the drafter's attention block D (after unification), the kernel block sizes the",
         "runner picks for them, and how much the Gated-DeltaNet state page is padded to reach the common",
-        "page; `fails (stage)` names where it stopped (`unify`: the page-size",
+        "page, then the scheduler's block (`sched`, the LCM of the KV cache groups' blocks; a GDN group's",
+        "block is `max_model_len` without prefix caching) and, where it differs, the prefix-cache hash",
+        "block (`hash`, their GCD); `fails (stage)` names where it stopped (`unify`: the page-size",
         "assert or NotImplementedError in `get_kv_cache_groups`; `grouping`: the proposer's",
         '`validate_same_kv_cache_group`, "All drafting layers should belong to the same kv cache group";',
-        "`kernel`: no kernel block size; `view`: the runner's KV view). *planner agrees* compares",
+        "`kernel`: no kernel block size; `view`: the runner's KV view; `scheduler`:",
+        "`resolve_kv_cache_block_sizes` or the KV cache coordinator's asserts). *planner agrees* compares",
         "`sparkfleet kv-plan` with both cells.",
         "CUDA cases use the FLASH_ATTN backend class (kernel blocks 16/32/64 with a float32 SSM state);",
         "prefix caching off (as the recipe serves) unless the options say otherwise.",
@@ -978,13 +1084,15 @@ def render_document(reference: list[dict[str, Any]], grid: list[dict[str, Any]],
         "",
         "```",
         "python -m sparkfleet kv-plan --target-config MODEL_DIR --drafter-config DRAFTER_DIR \\",
-        "    --num-speculative-tokens 12 [--stock] [--json] [--kv-cache-dtype fp8] [--platform cpu]",
+        "    --num-speculative-tokens 12 [--stock] [--json] [--kv-cache-dtype fp8] [--platform cpu] \\",
+        "    [--enable-prefix-caching] [--max-model-len 262144]",
         "```",
         "",
         "From Python (the Ansible side): `sparkfleet.kv_page_plan.plan(target_config, drafter_config,",
         "num_speculative_tokens, patched, drafter_label=...)` returns a `KVPlan` with `.ok`, `.reason`",
         "(one line naming the drafter and why), `.attention_block_size`, `.drafter_block_size`,",
-        "`.page_size_bytes`, `.padding_pct`, `.kernel_block_sizes` and `.failure_stage`.",
+        "`.page_size_bytes`, `.padding_pct`, `.kernel_block_sizes`, `.scheduler_block_size`,",
+        "`.hash_block_size` and `.failure_stage`.",
         "",
     ]
     return "\n".join(lines)
