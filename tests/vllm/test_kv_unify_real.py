@@ -623,20 +623,24 @@ def grid_cases() -> list[Case]:
             Case("--block-size 4096", target, DRAFTERS_JSON[revision], f"dflash {revision}", 5, block_size=4096)
         )
     # prefix caching off and on (mamba cache mode "align": the GDN group's block becomes the cache block
-    # and the KV cache manager gets the hybrid coordinator) over every n the recipe could serve, for
-    # both pinned drafters and drafters with 2x and 4x the target's KV bytes per token
+    # and the KV cache manager gets the hybrid coordinator) over every n from 1 to 16, for the pinned
+    # drafters and drafters with 1/2, 1, 2 and 4 times the target's KV bytes per token (the target's own
+    # geometry among them); depth and sliding window turn with n, so every geometry meets each of them
     target_bytes = target["text_config"]["num_key_value_heads"] * target["text_config"]["head_dim"]
-    prefix_drafters = {**{f"dflash {r}": DRAFTERS_JSON[r] for r in DRAFTERS}}
-    for factor, (kv_heads, head_dim) in ((2, (8, 128)), (4, (16, 128)), (4, (8, 256))):
+    sweep = {f"dflash {r}": (DRAFTERS_JSON[r], None) for r in DRAFTERS}
+    for factor, (kv_heads, head_dim) in ((0.5, (2, 128)), (1, (2, 256)), (2, (8, 128)), (4, (16, 128)), (4, (8, 256))):
         assert kv_heads * head_dim == factor * target_bytes
-        prefix_drafters[f"{factor}x KV bytes {kv_heads}x{head_dim}"] = variant(
-            drafter, num_key_value_heads=kv_heads, head_dim=head_dim
-        )
+        sweep[f"{factor:g}x KV bytes {kv_heads}x{head_dim}"] = (drafter, (kv_heads, head_dim))
+    depths, windows = (1, 3, 5, 8, 13), (None, 2048, 4096)
     for caching in (False, True):
         label = "prefix caching" if caching else "no prefix caching"
         cases.append(Case(f"{label}, target only", target, None, None, 0, enable_prefix_caching=caching))
-        for name, config in prefix_drafters.items():
+        for name, (config, geometry) in sweep.items():
             for n in range(1, 17):
+                if geometry is not None:
+                    layers, window = depths[n % len(depths)], windows[n % len(windows)]
+                    changes = {"num_key_value_heads": geometry[0], "head_dim": geometry[1]}
+                    config = variant(drafter, num_hidden_layers=layers, sliding_window=window, **changes)
                 cases.append(Case(label, target, config, name, n, enable_prefix_caching=caching))
     # the CPU platform (sandbox): block 128, CPU_ATTN
     for revision in DRAFTERS:
