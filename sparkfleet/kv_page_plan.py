@@ -152,6 +152,8 @@ class KVPlan:
     # (None when the plan failed before the scheduler, or without prefix caching and max_model_len)
     scheduler_block_size: int | None = None
     hash_block_size: int | None = None
+    # the scheduler's token budget per step (max_num_scheduled_tokens), when max_num_batched_tokens is known
+    step_token_budget: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -471,6 +473,32 @@ def _check_scheduler(
     return scheduler, math.gcd(*blocks)
 
 
+# Drafters that draft in parallel (vLLM's SpeculativeConfig.parallel_drafting): one new slot per
+# masked token, n - 1 per sequence, held back from the scheduler's token budget.
+PARALLEL_DRAFTERS = ("DFlashDraftModel",)
+
+
+def step_token_budget(
+    max_num_batched_tokens: int, max_num_seqs: int, num_speculative_tokens: int, drafter_architecture: str | None
+) -> int:
+    """VllmConfig's max_num_scheduled_tokens: the batch less the drafting slots of every sequence."""
+    slots = num_speculative_tokens - 1 if drafter_architecture in PARALLEL_DRAFTERS and num_speculative_tokens else 0
+    return max_num_batched_tokens - slots * max_num_seqs
+
+
+def _check_prefill_budget(hybrid: bool, enable_prefix_caching: bool, cache_block_size: int, budget: int | None) -> None:
+    """Prefix caching on a hybrid schedules prefill in whole cache blocks: the budget must hold one."""
+    if not (hybrid and enable_prefix_caching) or budget is None or budget >= cache_block_size:
+        return
+    raise _UnifyError(
+        "scheduler",
+        f"with prefix caching the GDN state is cached per {cache_block_size}-token block, so prefill is "
+        f"scheduled in whole blocks, but a step may schedule only {budget} tokens (max-num-batched-tokens less "
+        f"the drafting slots): a prompt of {cache_block_size} tokens or more is never scheduled; raise "
+        f"max-num-batched-tokens by at least {cache_block_size - budget} or turn prefix caching off",
+    )
+
+
 def _align(
     block_size: int,
     kernel_alignment: int,
@@ -505,6 +533,8 @@ def plan(
     block_size: int | None = None,
     enable_prefix_caching: bool = False,
     max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> KVPlan:
     """Predict vLLM 0.23's KV page unification for a target + drafter, stock or patched.
 
@@ -512,7 +542,9 @@ def plan(
     and n > 0 it plans drafter-less speculation (ngram). ``drafter_label`` names the drafter in
     ``reason`` (e.g. its revision). The other options are vLLM's serve flags; ``attention_backend``
     defaults to FLASH_ATTN on CUDA and CPU_ATTN on CPU, ``block_size`` None to the platform's default.
-    ``max_model_len`` only sets the scheduler's block sizes without prefix caching (the GDN group's block).
+    ``max_model_len`` only sets the scheduler's block sizes without prefix caching (the GDN group's block);
+    ``max_num_batched_tokens`` and ``max_num_seqs`` (vLLM's defaults are its usage context's, so give
+    them) set the step's token budget, which prefix caching on a hybrid needs to hold one cache block.
     A stock plan that fails says in its reason whether the patched build unifies the case.
     Raises KVPlanInputError for configs or options it cannot read.
     """
@@ -528,6 +560,8 @@ def plan(
         "block_size": block_size,
         "enable_prefix_caching": enable_prefix_caching,
         "max_model_len": max_model_len,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "max_num_seqs": max_num_seqs,
     }
     result = _plan(target_config, drafter_config, num_speculative_tokens, patched, **options)
     if not result.ok and not patched:
@@ -557,12 +591,21 @@ def _plan(
     block_size: int | None = None,
     enable_prefix_caching: bool = False,
     max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
 ) -> KVPlan:
     """plan() for one build. With prefix caching the modelled architectures run mamba cache mode
     "align" (none of them supports "all"), whose alignment is the one without prefix caching; what
     prefix caching changes is the GDN group's block, and so the scheduler's block sizes."""
-    if max_model_len is not None and (not isinstance(max_model_len, int) or max_model_len <= 0):
-        raise KVPlanInputError(f"max_model_len {max_model_len!r} must be a positive integer (tokens)")
+    for name, value in (
+        ("max_model_len", max_model_len),
+        ("max_num_batched_tokens", max_num_batched_tokens),
+        ("max_num_seqs", max_num_seqs),
+    ):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise KVPlanInputError(f"{name} {value!r} must be a positive integer")
+    if (max_num_batched_tokens is None) != (max_num_seqs is None):
+        raise KVPlanInputError("give max_num_batched_tokens and max_num_seqs together (the step budget needs both)")
     if platform not in PLATFORMS:
         raise KVPlanInputError(f"platform {platform!r} is not modelled; use one of {', '.join(PLATFORMS)}")
     if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
@@ -645,6 +688,14 @@ def _plan(
             )
         )
 
+    budget = None
+    if max_num_batched_tokens is not None and max_num_seqs is not None:
+        budget = step_token_budget(max_num_batched_tokens, max_num_seqs, n, drafter.architecture if drafter else None)
+        if budget <= 0:
+            raise KVPlanInputError(
+                f"max_num_batched_tokens {max_num_batched_tokens} leaves no tokens per step after the drafting "
+                f"slots of {max_num_seqs} sequences at n={n} (vLLM refuses it); raise it"
+            )
     kernel_blocks: dict[str, int] = {}
     failure: _UnifyError | None = None
     scheduler_blocks: tuple[int, int] | None = None
@@ -653,6 +704,7 @@ def _plan(
         _check_groups(specs)
         _check_runner(specs, kernel_sizes, kernel_blocks)
         scheduler_blocks = _check_scheduler(specs, attention_block, enable_prefix_caching, max_model_len)
+        _check_prefill_budget(target.gdn is not None, enable_prefix_caching, attention_block, budget)
     except _UnifyError as exc:
         failure = exc
 
@@ -676,6 +728,7 @@ def _plan(
             padding_pct=round(padding_pct, 4),
             kernel_block_sizes=kernel_blocks,
             failure_stage=failure.stage,
+            step_token_budget=budget,
         )
     common_page = specs[0].page_size_bytes
     drafter_spec = next((spec for spec in specs if spec.name == "drafter attention"), None)
@@ -690,6 +743,13 @@ def _plan(
         detail += f", scheduler block {scheduler_blocks[0]}"
         if enable_prefix_caching:
             detail += f", prefix-cache hash block {scheduler_blocks[1]}"
+            if target.gdn is not None and scheduler_blocks[0] > attention_block:
+                # a group block above the GDN block: hits need a GDN state on a scheduler-block boundary,
+                # but prefill is chunked in GDN blocks, so a chunk may end past it and the hit is lost
+                detail += (
+                    f"; prefix-cache hits can be lost: they need a GDN state at a multiple of "
+                    f"{scheduler_blocks[0]} tokens, and prefill chunks end on multiples of {attention_block}"
+                )
     return KVPlan(
         ok=True,
         reason=f"{drafter_desc}, n={n}: {version} vLLM 0.23 unifies the KV cache ({detail})",
@@ -704,6 +764,7 @@ def _plan(
         kernel_block_sizes=kernel_blocks,
         scheduler_block_size=scheduler_blocks[0] if scheduler_blocks else None,
         hash_block_size=scheduler_blocks[1] if scheduler_blocks else None,
+        step_token_budget=budget,
     )
 
 
@@ -761,6 +822,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-model-len", type=int, help="as vLLM's flag: the GDN group's block without prefix caching"
     )
+    parser.add_argument("--max-num-batched-tokens", type=int, help="as vLLM's flag (with --max-num-seqs)")
+    parser.add_argument("--max-num-seqs", type=int, help="as vLLM's flag: the step budget's drafting slots")
     parser.add_argument(
         "--stock", action="store_true", help="judge stock vLLM 0.23 (default: with patch 0001, as sparkfleet ships)"
     )
@@ -786,6 +849,8 @@ def run(args: argparse.Namespace) -> int:
             "block_size": args.block_size,
             "enable_prefix_caching": args.enable_prefix_caching,
             "max_model_len": args.max_model_len,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_num_seqs": args.max_num_seqs,
         }
         plans = {
             version: plan(target, drafter, args.num_speculative_tokens, version == "patched", **options)

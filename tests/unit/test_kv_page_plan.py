@@ -136,6 +136,9 @@ def test_select_kernel_block_size() -> None:
         ({"tensor_parallel_size": 3}, "tensor_parallel_size 3"),
         ({"max_model_len": 0}, "max_model_len 0"),
         ({"max_model_len": "262144"}, "max_model_len '262144'"),
+        ({"max_num_batched_tokens": 8192}, "max_num_batched_tokens and max_num_seqs together"),
+        ({"max_num_batched_tokens": -1, "max_num_seqs": 3}, "max_num_batched_tokens -1"),
+        ({"max_num_batched_tokens": 8, "max_num_seqs": 3}, "max_num_batched_tokens 8 leaves no tokens"),
     ],
 )
 def test_bad_options_name_the_value(target: dict, old_drafter: dict, kwargs: dict, message: str) -> None:
@@ -155,6 +158,23 @@ def test_scheduler_blocks_follow_prefix_caching(target: dict, new_drafter: dict)
     assert on.ok and on.scheduler_block_size == math.lcm(on.attention_block_size, on.drafter_block_size)
     assert on.hash_block_size == math.gcd(on.attention_block_size, on.drafter_block_size)
     assert f"prefix-cache hash block {on.hash_block_size}" in on.reason
+
+
+def test_prefix_caching_needs_a_step_budget_of_one_cache_block(target: dict, new_drafter: dict) -> None:
+    """DFlash holds n - 1 slots per sequence back from the budget; prefix caching on the hybrid needs
+    what is left to hold one cache block (tests/vllm shows the real scheduler stall)."""
+    on = plan(target, new_drafter, 8, True, enable_prefix_caching=True)
+    block = on.attention_block_size
+    fits = plan(
+        target, new_drafter, 8, True, enable_prefix_caching=True, max_num_batched_tokens=block + 21, max_num_seqs=3
+    )
+    assert fits.ok and fits.step_token_budget == block
+    short = plan(
+        target, new_drafter, 8, True, enable_prefix_caching=True, max_num_batched_tokens=block + 20, max_num_seqs=3
+    )
+    assert not short.ok and short.failure_stage == "scheduler" and short.step_token_budget == block - 1
+    assert "raise max-num-batched-tokens by at least 1 or turn prefix caching off" in short.reason
+    assert plan(target, new_drafter, 8, True, max_num_batched_tokens=block + 20, max_num_seqs=3).ok
 
 
 def test_bad_configs_name_the_key(target: dict, old_drafter: dict) -> None:

@@ -23,6 +23,7 @@ Run as a script to print the table or write docs/kv-unify.md:
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import copy
 import hashlib
@@ -111,6 +112,9 @@ class Outcome:
     log_lines: list[str] = field(default_factory=list)
     scheduler_block_size: int | None = None
     hash_block_size: int | None = None
+    # what the scheduler is built from (kept for the prefix-caching runs; never compared)
+    vllm_config: Any = field(default=None, repr=False, compare=False)
+    kv_cache_config: Any = field(default=None, repr=False, compare=False)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -410,6 +414,7 @@ class RealVLLM:
             outcome.stage, outcome.error = "scheduler", f"{type(exc).__name__}: {exc}"
             return outcome
         outcome.scheduler_block_size, outcome.hash_block_size = scheduler_block_size, hash_block_size
+        outcome.vllm_config, outcome.kv_cache_config = vllm_config, kv_cache_config
         outcome.ok = True
         return outcome
 
@@ -950,6 +955,187 @@ def test_the_scheduler_block_sizes_and_the_coordinator_asserts_match_the_planner
         assert isinstance(predicted, str) and real in predicted, (real, predicted)
     else:
         assert predicted == tuple(real)
+
+
+# --------------------------------------------------------------------------------------------------
+# prefix caching on vLLM's real scheduler
+# --------------------------------------------------------------------------------------------------
+
+LONG_CONTEXT = 65536  # the scheduler's max_model_len for the long prompts (the specs do not depend on it)
+
+
+@dataclass
+class PrefillRun:
+    """One long prompt prefilled by the real Scheduler, then a second request sharing part of it."""
+
+    cache_block: int
+    budget: int
+    step_ends: list[int]  # the request's computed tokens after each step
+    cached: dict[int, int]  # GDN block index -> computed tokens at the step that cached it
+    hit: int  # the second request's prefix-cache hit (tokens)
+    scheduler_block: int
+
+
+def prefill_with_prefix_caching(outcome: Outcome, budget: int, prompt_len: int, shared: int) -> PrefillRun:
+    """Drive vLLM's Scheduler (its KV cache manager and coordinator) over a prompt of ``prompt_len``
+    tokens with ``budget`` tokens a step, feeding it what a model runner would return, then ask the
+    KV cache manager what a second request sharing the first ``shared`` tokens finds cached."""
+    import random
+
+    from vllm.config.vllm import set_current_vllm_config
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_config, kv_cache_config = outcome.vllm_config, outcome.kv_cache_config
+    cache_config, scheduler_config = vllm_config.cache_config, vllm_config.scheduler_config
+    cache_config.num_gpu_blocks = kv_cache_config.num_blocks
+    vllm_config.model_config.max_model_len = scheduler_config.max_model_len = LONG_CONTEXT
+    vllm_config.model_config.multimodal_config = None  # text prompts: no encoder budget to plan
+    scheduler_config.max_num_scheduled_tokens = budget
+    scheduler_config.max_num_batched_tokens = max(scheduler_config.max_num_batched_tokens, budget)
+    with set_current_vllm_config(vllm_config):
+        scheduler = Scheduler(
+            vllm_config,
+            kv_cache_config,
+            StructuredOutputManager(vllm_config),
+            block_size=outcome.scheduler_block_size,
+            hash_block_size=outcome.hash_block_size,
+        )
+        hash_fn = get_hash_fn_by_name(cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(outcome.hash_block_size, hash_fn)
+        rng = random.Random(prompt_len)
+        prompt = [rng.randrange(1000, 50000) for _ in range(prompt_len)]
+
+        def request(request_id: str, tokens: list[int]) -> Request:
+            return Request(request_id, tokens, SamplingParams(max_tokens=1, temperature=0.0), None, block_hasher=hasher)
+
+        first = request("first", prompt)
+        scheduler.add_request(first)
+        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+        gdn = [i for i, g in enumerate(kv_cache_config.kv_cache_groups) if isinstance(g.kv_cache_spec, MambaSpec)]
+        step_ends: list[int] = []
+        cached: dict[int, int] = {}
+        for _ in range(4 * prompt_len // cache_config.block_size + 8):
+            output = scheduler.schedule()
+            if not output.num_scheduled_tokens:
+                break
+            step_ends.append(first.num_computed_tokens)
+            for group in gdn:
+                for index, block in enumerate(managers[group].req_to_blocks.get("first", [])):
+                    if block.block_hash is not None and not block.is_null:
+                        cached.setdefault(index, first.num_computed_tokens)
+            prefilled = first.num_computed_tokens >= first.num_prompt_tokens
+            scheduler.update_from_output(
+                output,
+                ModelRunnerOutput(
+                    req_ids=["first"], req_id_to_index={"first": 0}, sampled_token_ids=[[7] if prefilled else []]
+                ),
+            )
+            if first.is_finished():
+                break
+        second = request("second", prompt[:shared] + [3] * 256)
+        _blocks, hit = scheduler.kv_cache_manager.get_computed_blocks(second)
+    return PrefillRun(cache_config.block_size, budget, step_ends, cached, hit, outcome.scheduler_block_size)
+
+
+def prefix_caching_rows(real_vllm: RealVLLM) -> list[tuple[Case, Outcome]]:
+    """The grid's prefix-caching cases the patched build serves, at a few n, run afresh (the scheduler
+    run changes their configs)."""
+    rows = []
+    for case in grid_cases():
+        if case.enable_prefix_caching and case.drafter is not None and case.num_speculative_tokens in (1, 8, 16):
+            outcome = real_vllm.run(case, True)
+            if outcome.ok:
+                rows.append((case, outcome))
+    return rows
+
+
+def test_prefix_caching_never_caches_a_gdn_state_under_tokens_it_has_not_seen(real_vllm: RealVLLM) -> None:
+    """Over a long prompt prefilled in chunks, every GDN state block the scheduler caches holds the state
+    of exactly the tokens its prefix hash covers (a step ended on that block's last token), and a second
+    request sharing part of the prompt hits one of those blocks within what it shares: the mamba-state
+    invariant of issue 14, on the real Scheduler, KV cache manager and hybrid coordinator."""
+    rows = prefix_caching_rows(real_vllm)
+    assert len(rows) >= 12, [case.drafter_label for case, _ in rows]
+    hashes_finer = hits = 0
+    lost: dict[tuple, bool] = collections.defaultdict(bool)
+    said: dict[tuple, bool] = {}
+    for case, outcome in rows:
+        block = outcome.attention_block_size
+        hashes_finer += outcome.hash_block_size < outcome.scheduler_block_size
+        for budget in (block + block // 3, 3 * block + 17):
+            prompt_len, shared = 5 * block + 700, 4 * block + 100
+            run = prefill_with_prefix_caching(real_vllm.run(case, True), budget, prompt_len, shared)
+            where = (case.drafter_label, case.num_speculative_tokens, budget, run)
+            assert run.step_ends and run.step_ends[-1] == prompt_len, where
+            assert run.cached, where
+            for index, computed in run.cached.items():
+                boundary = (index + 1) * run.cache_block
+                assert computed >= boundary and boundary in run.step_ends, where
+            # the hit: within what is shared, on the scheduler's alignment, and exactly a cached GDN state
+            # (the drafter's eagle-style pop may give back the last aligned block, never more than that)
+            assert 0 <= run.hit <= shared and run.hit % run.scheduler_block == 0, where
+            assert run.hit == 0 or run.hit // run.cache_block - 1 in run.cached, where
+            if run.scheduler_block == run.cache_block:
+                # every group's block divides the GDN block: the hit is the longest cached state within what
+                # is shared, less at most the block the drafter's eagle-style pop gives back
+                within = [(i + 1) * run.cache_block for i in run.cached if (i + 1) * run.cache_block <= shared]
+                assert run.hit >= max(within) - run.cache_block > 0, where
+                hits += 1
+            # what the planner says of the same case with this budget
+            predicted = kv_page_plan.plan(
+                case.target,
+                case.drafter,
+                case.num_speculative_tokens,
+                True,
+                enable_prefix_caching=True,
+                max_num_batched_tokens=budget,
+                max_num_seqs=1,
+            )
+            assert predicted.ok, (where, predicted.reason)
+            within = [(i + 1) * run.cache_block for i in run.cached if (i + 1) * run.cache_block <= shared]
+            lost[case.drafter_label, case.num_speculative_tokens] |= run.hit < max(within) - run.cache_block
+            said[case.drafter_label, case.num_speculative_tokens] = "hits can be lost" in predicted.reason
+    # with a group block above the GDN block the hits fall short of the cached states, and the planner says so
+    assert lost == said and any(lost.values()), {key: (lost[key], said[key]) for key in lost}
+    assert hashes_finer, "no case hashes finer than it schedules (a drafter block below the GDN block)"
+    assert hits >= len(rows), "too few cases where prefix caching must hit"
+
+
+def test_prefix_caching_with_a_step_budget_below_one_block_never_starts_a_long_prompt(real_vllm: RealVLLM) -> None:
+    """The planner refuses prefix caching when a step cannot hold one cache block; the real scheduler
+    shows why: the block-aligned split rounds every chunk of a long prompt down to nothing."""
+    for case, outcome in prefix_caching_rows(real_vllm)[::4]:
+        block = outcome.attention_block_size
+        run = prefill_with_prefix_caching(outcome, block - 16, 3 * block, block)
+        assert run.step_ends == [] and run.hit == 0, (case.drafter_label, run)
+        n = case.num_speculative_tokens
+        slots = n - 1  # DFlash drafts in parallel: n - 1 slots per sequence
+        predicted = kv_page_plan.plan(
+            case.target,
+            case.drafter,
+            n,
+            True,
+            enable_prefix_caching=True,
+            max_num_batched_tokens=block - 16 + 3 * slots,
+            max_num_seqs=3,
+        )
+        assert not predicted.ok and predicted.failure_stage == "scheduler", predicted.reason
+        assert f"only {block - 16} tokens" in predicted.reason and "raise max-num-batched-tokens by at least 16" in (
+            predicted.reason
+        )
+        assert predicted.step_token_budget == block - 16
+        # and with prefix caching off the same budget is fine: the scheduler chunks freely
+        assert kv_page_plan.plan(
+            case.target, case.drafter, n, True, max_num_batched_tokens=block - 16 + 3 * slots, max_num_seqs=3
+        ).ok
 
 
 # --------------------------------------------------------------------------------------------------
