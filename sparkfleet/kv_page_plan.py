@@ -516,6 +516,32 @@ def _align(
     return max(block_size, attn_block)
 
 
+# vLLM serve flags the planner judges, as a profile's serve_args name them -> plan() keywords.
+SERVING_FLAGS = {
+    "enable-prefix-caching": "enable_prefix_caching",
+    "max-model-len": "max_model_len",
+    "max-num-batched-tokens": "max_num_batched_tokens",
+    "max-num-seqs": "max_num_seqs",
+}
+
+
+def serving_options(serve_args: dict[str, Any] | None) -> dict[str, Any]:
+    """plan() keywords from a resolved profile's serve_args (the step budget only when both halves are set,
+    since vLLM's defaults for them depend on its usage context)."""
+    args = serve_args or {}
+    options: dict[str, Any] = {"enable_prefix_caching": bool(args.get("enable-prefix-caching"))}
+    for flag in ("max-model-len", "max-num-batched-tokens", "max-num-seqs"):
+        if args.get(flag) is not None:
+            value = args[flag]
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise KVPlanInputError(f"serve arg {flag} is {value!r}; it must be an integer")
+            options[SERVING_FLAGS[flag]] = value
+    if ("max_num_batched_tokens" in options) != ("max_num_seqs" in options):
+        options.pop("max_num_batched_tokens", None)
+        options.pop("max_num_seqs", None)
+    return options
+
+
 def plan(
     target_config: dict[str, Any],
     drafter_config: dict[str, Any] | None,

@@ -284,7 +284,7 @@ def pin(
             "kv-page-size-unify" in (resolved.get("patches") or []),
             drafter_label=f"{resolved['drafter']}@{commits[resolved['drafter']][:12]}",
             platform="cuda",
-            enable_prefix_caching=bool((resolved.get("serve_args") or {}).get("enable-prefix-caching")),
+            **kv_page_plan.serving_options(resolved.get("serve_args")),
         )
         if not result.ok:
             raise PinError(

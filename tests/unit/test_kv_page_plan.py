@@ -177,6 +177,21 @@ def test_prefix_caching_needs_a_step_budget_of_one_cache_block(target: dict, new
     assert plan(target, new_drafter, 8, True, max_num_batched_tokens=block + 20, max_num_seqs=3).ok
 
 
+def test_serving_options_read_a_profiles_serve_args() -> None:
+    args = {"enable-prefix-caching": True, "max-model-len": 262144, "max-num-batched-tokens": 8192, "max-num-seqs": 3}
+    assert kv_page_plan.serving_options(args) == {
+        "enable_prefix_caching": True,
+        "max_model_len": 262144,
+        "max_num_batched_tokens": 8192,
+        "max_num_seqs": 3,
+    }
+    # one half of the step budget left to vLLM's default: no budget judged
+    assert kv_page_plan.serving_options({"max-num-batched-tokens": 8192}) == {"enable_prefix_caching": False}
+    assert kv_page_plan.serving_options(None) == {"enable_prefix_caching": False}
+    with pytest.raises(KVPlanInputError, match="serve arg max-num-seqs is '3'"):
+        kv_page_plan.serving_options({"max-num-seqs": "3"})
+
+
 def test_bad_configs_name_the_key(target: dict, old_drafter: dict) -> None:
     with pytest.raises(KVPlanInputError, match="num_speculative_tokens is 0 but a drafter"):
         plan(target, old_drafter, 0, True)

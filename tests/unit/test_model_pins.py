@@ -296,6 +296,31 @@ def test_the_deploy_checks_the_kv_plan_of_hub_models_from_their_config_json_alon
 
 
 @pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+def test_the_deploy_judges_the_profiles_prefix_caching_before_any_host_is_touched(
+    tmp_path: Path, hub: HubDouble, shas: dict[str, str]
+) -> None:
+    """enable-prefix-caching is a planned setting: the profile's serve args (prefix caching, the batch and
+    sequence limits) reach the KV check; a step budget below one cache block of the hybrid is refused with
+    the figure to raise, the same budget with prefix caching off is not."""
+    pins = {"intel-int4": shas["target"], "dflash-drafter": shas["new_drafter"]}
+
+    def site(**serve_args: object) -> dict:
+        return {"sparkfleet_profile": "dflash", "sparkfleet_profiles_site": {"dflash": {"serve_args": serve_args}}}
+
+    # n=12 on the patched build: the cache block is 2240 tokens; DFlash holds 11 slots per sequence back
+    cramped = {"max-num-batched-tokens": 2272, "max-num-seqs": 3}
+    refused = deploy_kv_check(tmp_path / "refused", hub, site(**cramped, **{"enable-prefix-caching": True}), pins)
+    assert refused.returncode != 0
+    assert "vLLM's scheduler cannot serve this profile's settings" in refused.stdout, refused.stdout[-3000:]
+    assert "a step may schedule only 2239 tokens" in refused.stdout and "Pin a drafter" not in refused.stdout
+    assert "raise max-num-batched-tokens by at least 1 or turn prefix caching off" in refused.stdout
+    off = deploy_kv_check(tmp_path / "off", hub, site(**cramped, **{"enable-prefix-caching": False}), pins)
+    assert off.returncode == 0, off.stdout[-3000:]
+    roomy = deploy_kv_check(tmp_path / "roomy", hub, site(**{"enable-prefix-caching": True}), pins)
+    assert roomy.returncode == 0, roomy.stdout[-3000:]
+
+
+@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
 def test_local_models_give_the_kv_check_their_own_config_json_and_fetch_nothing(tmp_path: Path, hub: HubDouble) -> None:
     """The sandbox's shape: target and drafter are local directories (path, no repo)."""
     site = {

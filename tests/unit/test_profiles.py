@@ -37,7 +37,10 @@ def test_builtin_profiles_are_the_recipes() -> None:
         "attention_backend": "FLASH_ATTN",
     }
     argv = profiles.serve_argv(dflash["serve_args"])
-    assert "--no-enable-prefix-caching" in argv and "--enable-chunked-prefill" in argv
+    # the speculative profiles serve with prefix caching (the planner judges it at deploy), base without
+    assert "--enable-prefix-caching" in argv and "--enable-chunked-prefill" in argv
+    assert "--enable-prefix-caching" in profiles.serve_argv(resolve("dense")["serve_args"])
+    assert "--no-enable-prefix-caching" in profiles.serve_argv(resolve("base")["serve_args"])
     assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.82"
     assert argv[argv.index("--max-model-len") + 1] == "262144"
     assert "--mamba-block-size" not in argv

@@ -1045,13 +1045,13 @@ def prefill_with_prefix_caching(outcome: Outcome, budget: int, prompt_len: int, 
     return PrefillRun(cache_config.block_size, budget, step_ends, cached, hit, outcome.scheduler_block_size)
 
 
-def prefix_caching_rows(real_vllm: RealVLLM) -> list[tuple[Case, Outcome]]:
-    """The grid's prefix-caching cases the patched build serves, at a few n, run afresh (the scheduler
-    run changes their configs)."""
+def prefix_caching_rows(real_vllm: RealVLLM, patched: bool = True) -> list[tuple[Case, Outcome]]:
+    """The grid's prefix-caching cases the build serves, at a few n, run afresh (the scheduler run
+    changes their configs)."""
     rows = []
     for case in grid_cases():
         if case.enable_prefix_caching and case.drafter is not None and case.num_speculative_tokens in (1, 8, 16):
-            outcome = real_vllm.run(case, True)
+            outcome = real_vllm.run(case, patched)
             if outcome.ok:
                 rows.append((case, outcome))
     return rows
@@ -1062,18 +1062,22 @@ def test_prefix_caching_never_caches_a_gdn_state_under_tokens_it_has_not_seen(re
     of exactly the tokens its prefix hash covers (a step ended on that block's last token), and a second
     request sharing part of the prompt hits one of those blocks within what it shares: the mamba-state
     invariant of issue 14, on the real Scheduler, KV cache manager and hybrid coordinator."""
-    rows = prefix_caching_rows(real_vllm)
-    assert len(rows) >= 12, [case.drafter_label for case, _ in rows]
+    rows = [(case, outcome, True) for case, outcome in prefix_caching_rows(real_vllm)]
+    assert len(rows) >= 12, [case.drafter_label for case, _, _ in rows]
+    # stock 0.23 serves the pinned drafter (its KV spec is the target's) with prefix caching as well
+    stock = [(case, outcome, False) for case, outcome in prefix_caching_rows(real_vllm, patched=False)]
+    assert {case.drafter_label for case, _, _ in stock} >= {"dflash 6c7242c"}, stock
+    rows += stock
     hashes_finer = hits = 0
     lost: dict[tuple, bool] = collections.defaultdict(bool)
     said: dict[tuple, bool] = {}
-    for case, outcome in rows:
+    for case, outcome, patched in rows:
         block = outcome.attention_block_size
         hashes_finer += outcome.hash_block_size < outcome.scheduler_block_size
         for budget in (block + block // 3, 3 * block + 17):
             prompt_len, shared = 5 * block + 700, 4 * block + 100
-            run = prefill_with_prefix_caching(real_vllm.run(case, True), budget, prompt_len, shared)
-            where = (case.drafter_label, case.num_speculative_tokens, budget, run)
+            run = prefill_with_prefix_caching(real_vllm.run(case, patched), budget, prompt_len, shared)
+            where = (case.drafter_label, case.num_speculative_tokens, patched, budget, run)
             assert run.step_ends and run.step_ends[-1] == prompt_len, where
             assert run.cached, where
             for index, computed in run.cached.items():
@@ -1094,15 +1098,16 @@ def test_prefix_caching_never_caches_a_gdn_state_under_tokens_it_has_not_seen(re
                 case.target,
                 case.drafter,
                 case.num_speculative_tokens,
-                True,
+                patched,
                 enable_prefix_caching=True,
                 max_num_batched_tokens=budget,
                 max_num_seqs=1,
             )
             assert predicted.ok, (where, predicted.reason)
             within = [(i + 1) * run.cache_block for i in run.cached if (i + 1) * run.cache_block <= shared]
-            lost[case.drafter_label, case.num_speculative_tokens] |= run.hit < max(within) - run.cache_block
-            said[case.drafter_label, case.num_speculative_tokens] = "hits can be lost" in predicted.reason
+            key = (case.drafter_label, case.num_speculative_tokens, patched)
+            lost[key] |= run.hit < max(within) - run.cache_block
+            said[key] = "hits can be lost" in predicted.reason
     # with a group block above the GDN block the hits fall short of the cached states, and the planner says so
     assert lost == said and any(lost.values()), {key: (lost[key], said[key]) for key in lost}
     assert hashes_finer, "no case hashes finer than it schedules (a drafter block below the GDN block)"

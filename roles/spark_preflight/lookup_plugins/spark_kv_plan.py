@@ -45,6 +45,12 @@ options:
     description: The platform vLLM runs on (C(cuda) on a GB10, C(cpu) in the sandbox).
     type: str
     default: cuda
+  serve_args:
+    description:
+      - The profile's resolved serve args; the planner judges C(enable-prefix-caching), C(max-model-len),
+        C(max-num-batched-tokens) and C(max-num-seqs) of them (sparkfleet.kv_page_plan.serving_options).
+    type: dict
+    default: {}
 """
 
 EXAMPLES = r"""
@@ -119,6 +125,7 @@ class LookupModule(LookupBase):
                 self.get_option("patched"),
                 drafter_label=label,
                 platform=self.get_option("platform"),
+                **planner.serving_options(self.get_option("serve_args")),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise AnsibleLookupError(f"spark_kv_plan: the planner cannot read these configs: {exc}") from exc
