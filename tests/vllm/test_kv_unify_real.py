@@ -1218,7 +1218,48 @@ def _agrees(row: dict[str, Any]) -> bool:
     )
 
 
-def render_document(reference: list[dict[str, Any]], grid: list[dict[str, Any]], seconds: float) -> str:
+def prefix_caching_section(real: RealVLLM) -> list[str]:
+    """The real scheduler over a long prompt for the pinned drafters and a drafter block above the GDN
+    block: where steps ended, which GDN states were cached, and what a second request found."""
+    lines = [
+        "## Prefix caching on the real scheduler",
+        "",
+        "vLLM 0.23's `Scheduler`, KV cache manager and hybrid coordinator (patched build, prefix caching",
+        "on, mamba cache mode `align`) prefill a prompt of 5 cache blocks + 700 tokens with the step",
+        "budget shown, then a second request sharing the first 4 blocks + 100 tokens asks what is cached",
+        "(`test_prefix_caching_never_caches_a_gdn_state_under_tokens_it_has_not_seen`). A GDN state block",
+        "is only ever cached where a step ended on its last token, so no state is served for tokens it has",
+        "not seen. Hits are whole scheduler blocks: where a group's block is larger than the GDN block",
+        "(a drafter with fewer KV bytes per token than the target), prefill chunks can end past a",
+        "scheduler-block boundary and the hit is lost; the planner says so. A step budget below one cache",
+        "block never starts a prompt that long (the block-aligned split rounds it to nothing): the",
+        "planner refuses it.",
+        "",
+        "| drafter | n | GDN / drafter block | scheduler / hash block | step budget | steps ended at "
+        "| GDN states cached | hit of the shared 4 blocks + 100 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case, outcome in prefix_caching_rows(real):
+        if case.num_speculative_tokens != 8 or not (
+            case.drafter_label.startswith("dflash") or case.drafter_label.startswith("0.5x")
+        ):
+            continue
+        block = outcome.attention_block_size
+        for budget in (block - 16, block + block // 3, 3 * block + 17):
+            run = prefill_with_prefix_caching(real.run(case, True), budget, 5 * block + 700, 4 * block + 100)
+            states = ", ".join(str((i + 1) * block) for i in sorted(run.cached)) or "none"
+            ends = ", ".join(map(str, run.step_ends)) or "never scheduled"
+            lines.append(
+                f"| {case.drafter_label} | {case.num_speculative_tokens} | {block} / {outcome.drafter_block_size} | "
+                f"{outcome.scheduler_block_size} / {outcome.hash_block_size} | {budget} | {ends} | {states} | "
+                f"{run.hit} |"
+            )
+    return [*lines, ""]
+
+
+def render_document(
+    reference: list[dict[str, Any]], grid: list[dict[str, Any]], seconds: float, prefix: list[str] | None = None
+) -> str:
     import vllm
 
     command = "build/venv-vllm/bin/python tests/vllm/test_kv_unify_real.py --write docs/kv-unify.md"
@@ -1271,6 +1312,7 @@ def render_document(reference: list[dict[str, Any]], grid: list[dict[str, Any]],
         "  16: reproduced on the real runner code by",
         "  `test_a_padded_attention_page_with_a_smaller_kernel_block_mis_strides`).",
         "",
+        *(prefix or []),
         "## The planner",
         "",
         "`sparkfleet kv-plan` answers the same question from the two config.json files, with neither",
@@ -1280,14 +1322,15 @@ def render_document(reference: list[dict[str, Any]], grid: list[dict[str, Any]],
         "```",
         "python -m sparkfleet kv-plan --target-config MODEL_DIR --drafter-config DRAFTER_DIR \\",
         "    --num-speculative-tokens 12 [--stock] [--json] [--kv-cache-dtype fp8] [--platform cpu] \\",
-        "    [--enable-prefix-caching] [--max-model-len 262144]",
+        "    [--enable-prefix-caching] [--max-model-len 262144] [--max-num-batched-tokens 8192 --max-num-seqs 3]",
         "```",
         "",
         "From Python (the Ansible side): `sparkfleet.kv_page_plan.plan(target_config, drafter_config,",
         "num_speculative_tokens, patched, drafter_label=...)` returns a `KVPlan` with `.ok`, `.reason`",
         "(one line naming the drafter and why), `.attention_block_size`, `.drafter_block_size`,",
         "`.page_size_bytes`, `.padding_pct`, `.kernel_block_sizes`, `.scheduler_block_size`,",
-        "`.hash_block_size` and `.failure_stage`.",
+        "`.hash_block_size`, `.step_token_budget` and `.failure_stage`; `serving_options(serve_args)` reads",
+        "a profile's serve args into its keywords (the deploy's KV check and `make pin` use it).",
         "",
     ]
     return "\n".join(lines)
@@ -1304,7 +1347,8 @@ def main(argv: list[str] | None = None) -> int:
         real = RealVLLM(Path(tmp))
         reference = evaluate(real, reference_cases())
         grid = evaluate(real, grid_cases())
-    document = render_document(reference, grid, time.monotonic() - start)
+        prefix = prefix_caching_section(real)
+    document = render_document(reference, grid, time.monotonic() - start, prefix)
     if args.write:
         args.write.write_text(document)
         print(f"wrote {args.write} ({len(reference) + len(grid)} runs)")
