@@ -154,9 +154,77 @@ class KVPlan:
     hash_block_size: int | None = None
     # the scheduler's token budget per step (max_num_scheduled_tokens), when max_num_batched_tokens is known
     step_token_budget: int | None = None
+    # The KV cache groups vLLM builds (get_kv_cache_groups), for the pool (kv_pool): one entry per spec
+    # type with its kind, block size, how many groups it fills and, for GDN state, the pages one request
+    # holds per group; ``kv_layout`` is "uniform" (one spec), "uniform_type" (one group of full-attention
+    # layers of several geometries) or "hybrid" (groups of ``kv_group_size`` layers, one page size).
+    kv_layout: str | None = None
+    kv_group_size: int | None = None
+    kv_groups: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """The KV cache pool vLLM 0.23 builds from ``kv_cache_bytes`` for one plan, as it reports it at start.
+
+    ``tokens`` is vLLM's "GPU KV cache size: N tokens" and ``max_concurrency`` its "Maximum concurrency for
+    M tokens per request: Cx" (``_report_kv_cache_config``: tokens = int(concurrency x max_model_len)).
+    """
+
+    kv_cache_bytes: int
+    max_model_len: int
+    num_blocks: int  # get_kv_cache_config_from_groups: blocks of every group's page
+    bytes_per_block: int  # what one block takes from the pool (every layer slot of a group)
+    blocks_per_request: int  # blocks one request of max_model_len tokens holds across the groups
+    bytes_per_request: int
+    max_concurrency: float
+    tokens: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def kv_pool(kv_plan: KVPlan, kv_cache_bytes: int, max_model_len: int) -> KVPool:
+    """vLLM 0.23's KV pool for a plan that unifies: blocks, max concurrency and tokens at ``max_model_len``.
+
+    Mirrors get_kv_cache_config_from_groups (num_blocks = bytes // page // layers per group, or // the
+    summed page of a one-group model of several geometries) and get_max_concurrency_for_kv_cache_config
+    (a request of max_model_len tokens holds cdiv(max_model_len, block) blocks of each attention group
+    and 1 + n pages of each GDN group, 2 + n with prefix caching's "align" mode).
+    """
+    if not kv_plan.ok or kv_plan.kv_layout is None or kv_plan.page_size_bytes is None:
+        raise KVPlanInputError(f"no KV pool for a plan that does not unify: {kv_plan.reason}")
+    for name, value in (("kv_cache_bytes", kv_cache_bytes), ("max_model_len", max_model_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise KVPlanInputError(f"{name} {value!r} must be a positive integer")
+    group_size = kv_plan.kv_group_size or 1
+    page = kv_plan.page_size_bytes
+    if kv_plan.kv_layout == "uniform_type":
+        # UniformTypeKVCacheSpecs: one group whose page is every layer's page summed
+        bytes_per_block = page
+        num_blocks = kv_cache_bytes // page
+        blocks_per_request = -(-max_model_len // kv_plan.kv_groups[0]["block_size"])
+    else:
+        bytes_per_block = page * group_size
+        num_blocks = kv_cache_bytes // page // group_size
+        blocks_per_request = 0
+        for group in kv_plan.kv_groups:
+            per_group = group["pages_per_request"] or -(-max_model_len // group["block_size"])
+            blocks_per_request += per_group * group["groups"]
+    max_concurrency = num_blocks / blocks_per_request
+    return KVPool(
+        kv_cache_bytes=kv_cache_bytes,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        bytes_per_block=bytes_per_block,
+        blocks_per_request=blocks_per_request,
+        bytes_per_request=blocks_per_request * bytes_per_block,
+        max_concurrency=max_concurrency,
+        tokens=int(max_concurrency * max_model_len),
+    )
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -386,27 +454,50 @@ def _unify_patched(specs: list[_Spec]) -> None:
             raise _UnifyError("unify", f"the padded {spec.name} page cannot be rescaled")
 
 
-def _check_groups(specs: list[_Spec]) -> None:
-    """The KV cache groups (``_get_kv_cache_groups_uniform_page_size``) and the drafter's one-group rule.
-
-    vLLM puts layers with equal specs into one type (a drafter layer whose spec equals the target's
-    attention spec joins the target's layers, after them), takes the group size from the smallest
-    type (the largest when no type has 1.5 times the layers of the smallest), and deals each type's
-    layers round-robin into ceil(count / group size) groups. The proposer then asserts that every
-    drafting layer is in the same group (``validate_same_kv_cache_group``,
-    v1/spec_decode/llm_base_proposer.py): a drafter with more layers than the group size fails.
-    A DFlash drafter's own sliding window plays no part: its layers take the target's
-    ``cache_config.sliding_window`` (none on Qwen3.5), so they are full-attention layers.
-    """
-    drafter = next((spec for spec in specs if spec.name == "drafter attention"), None)
-    if drafter is None:
-        return
+def _spec_types(specs: list[_Spec]) -> dict[tuple, list[str]]:
+    """Layers by KV cache spec, as vLLM groups them: equal specs are one type (a drafter layer whose spec
+    equals the target's attention spec joins the target's layers, after them)."""
     types: dict[tuple, list[str]] = {}
     for spec in specs:
         layers = types.setdefault(spec.identity(), [])
         layers.extend(f"{spec.name} {i}" for i in range(spec.num_layers))
+    return types
+
+
+def _layout(specs: list[_Spec]) -> str:
+    """Which of get_kv_cache_groups' paths the specs take: one spec ("uniform"), full-attention layers of
+    one block size but several geometries (UniformTypeKVCacheSpecs: "uniform_type", no unification), or
+    the general multi-group path that unifies page sizes ("hybrid")."""
+    if len(_spec_types(specs)) == 1:
+        return "uniform"
+    if all(spec.kind == "attention" for spec in specs) and len({spec.block_size for spec in specs}) == 1:
+        return "uniform_type"
+    return "hybrid"
+
+
+def _group_size(types: dict[tuple, list[str]]) -> int:
+    """_get_kv_cache_groups_uniform_page_size: the smallest type's layer count, or the largest when no
+    type has 1.5 times the smallest."""
     counts = [len(layers) for layers in types.values()]
-    group_size = max(counts) if max(counts) < min(counts) * 1.5 else min(counts)
+    return max(counts) if max(counts) < min(counts) * 1.5 else min(counts)
+
+
+def _check_groups(specs: list[_Spec]) -> None:
+    """The KV cache groups (``_get_kv_cache_groups_uniform_page_size``) and the drafter's one-group rule.
+
+    vLLM puts layers with equal specs into one type, takes the group size from the smallest type (the
+    largest when no type has 1.5 times the layers of the smallest), and deals each type's layers
+    round-robin into ceil(count / group size) groups. The proposer then asserts that every drafting
+    layer is in the same group (``validate_same_kv_cache_group``, v1/spec_decode/llm_base_proposer.py):
+    a drafter with more layers than the group size fails. A DFlash drafter's own sliding window plays
+    no part: its layers take the target's ``cache_config.sliding_window`` (none on Qwen3.5), so they
+    are full-attention layers. One-group layouts (``_layout``) put every layer in one group.
+    """
+    drafter = next((spec for spec in specs if spec.name == "drafter attention"), None)
+    if drafter is None or _layout(specs) != "hybrid":
+        return
+    types = _spec_types(specs)
+    group_size = _group_size(types)
     layers = types[drafter.identity()]
     num_groups = -(-len(layers) // group_size)
     groups = {index % num_groups for index, name in enumerate(layers) if name.startswith("drafter attention")}
@@ -417,6 +508,32 @@ def _check_groups(specs: list[_Spec]) -> None:
             f'land in {len(groups)} KV cache groups and the proposer asserts "All drafting layers should '
             f'belong to the same kv cache group"',
         )
+
+
+def _kv_groups(specs: list[_Spec], num_speculative_blocks: int, mamba_align: bool) -> tuple[str, int, list[dict]]:
+    """(layout, layers per group, one entry per spec type) for kv_pool: the groups vLLM builds."""
+    layout = _layout(specs)
+    types = _spec_types(specs)
+    first = {spec.identity(): spec for spec in reversed(specs)}
+    total = sum(len(layers) for layers in types.values())
+    group_size = total if layout != "hybrid" else _group_size(types)
+    groups = []
+    for identity, layers in types.items():
+        spec = first[identity]
+        mamba = spec.kind == "mamba"
+        groups.append(
+            {
+                "kind": spec.kind,
+                "names": sorted({name.rsplit(" ", 1)[0] for name in layers}),
+                "layers": len(layers),
+                "block_size": spec.block_size,
+                "layer_page_bytes": spec.page_size_bytes,
+                "groups": 1 if layout != "hybrid" else -(-len(layers) // group_size),
+                # MambaSpec.max_memory_usage_bytes: 1 + n pages ("none"), 2 + n ("align")
+                "pages_per_request": (2 if mamba_align else 1) + num_speculative_blocks if mamba else None,
+            }
+        )
+    return layout, group_size, groups
 
 
 def _check_runner(specs: list[_Spec], kernel_sizes: list[KernelSize], kernel_blocks: dict[str, int]) -> None:
@@ -455,7 +572,7 @@ def _check_scheduler(
             blocks.append(max_model_len)  # mamba cache mode "none": one block holds the whole sequence
         else:
             blocks.append(spec.block_size)
-    if len({spec.identity() for spec in specs}) == 1:  # one spec type: one group
+    if _layout(specs) != "hybrid":  # one KV cache group
         return cache_block_size, cache_block_size
     scheduler = math.lcm(*blocks)
     if not enable_prefix_caching:
@@ -726,7 +843,8 @@ def _plan(
     failure: _UnifyError | None = None
     scheduler_blocks: tuple[int, int] | None = None
     try:
-        (_unify_patched if patched else _unify_stock)(specs)
+        if _layout(specs) == "hybrid":  # one-group layouts are never unified
+            (_unify_patched if patched else _unify_stock)(specs)
         _check_groups(specs)
         _check_runner(specs, kernel_sizes, kernel_blocks)
         scheduler_blocks = _check_scheduler(specs, attention_block, enable_prefix_caching, max_model_len)
@@ -756,7 +874,15 @@ def _plan(
             failure_stage=failure.stage,
             step_token_budget=budget,
         )
-    common_page = specs[0].page_size_bytes
+    layout, group_size, groups = _kv_groups(
+        specs, n if n else 0, mamba_align=enable_prefix_caching and target.gdn is not None
+    )
+    # the page of every KV cache group; a one-group model of several geometries has every layer's summed
+    common_page = (
+        sum(g["layers"] * g["layer_page_bytes"] for g in groups)
+        if layout == "uniform_type"
+        else (specs[0].page_size_bytes)
+    )
     drafter_spec = next((spec for spec in specs if spec.name == "drafter attention"), None)
     drafter_block = drafter_spec.block_size if drafter_spec is not None else None
     detail = f"attention block {specs[0].block_size}"
@@ -791,6 +917,9 @@ def _plan(
         scheduler_block_size=scheduler_blocks[0] if scheduler_blocks else None,
         hash_block_size=scheduler_blocks[1] if scheduler_blocks else None,
         step_token_budget=budget,
+        kv_layout=layout,
+        kv_group_size=group_size,
+        kv_groups=groups,
     )
 
 
@@ -851,6 +980,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, help="as vLLM's flag (with --max-num-seqs)")
     parser.add_argument("--max-num-seqs", type=int, help="as vLLM's flag: the step budget's drafting slots")
     parser.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        help="also print the KV pool vLLM builds from this much KV cache memory (GiB; needs --max-model-len): "
+        "tokens and the max concurrency at max-model-len, as vLLM logs them at start",
+    )
+    parser.add_argument(
         "--stock", action="store_true", help="judge stock vLLM 0.23 (default: with patch 0001, as sparkfleet ships)"
     )
     parser.add_argument("--json", action="store_true", help="print both plans as JSON")
@@ -882,12 +1017,34 @@ def run(args: argparse.Namespace) -> int:
             version: plan(target, drafter, args.num_speculative_tokens, version == "patched", **options)
             for version in ("stock", "patched")
         }
+        pools: dict[str, KVPool] = {}
+        if args.kv_cache_gib is not None:
+            if args.max_model_len is None or args.kv_cache_gib <= 0:
+                raise KVPlanInputError(
+                    f"--kv-cache-gib {args.kv_cache_gib} needs a positive size and --max-model-len (the context "
+                    "the concurrency is counted at)"
+                )
+            kv_bytes = int(args.kv_cache_gib * (1 << 30))
+            pools = {v: kv_pool(p, kv_bytes, args.max_model_len) for v, p in plans.items() if p.ok}
     except KVPlanInputError as exc:
         print(f"kv-plan: {exc}", file=sys.stderr)
         return 2
-    judged = plans["stock" if args.stock else "patched"]
+    version = "stock" if args.stock else "patched"
+    judged = plans[version]
     if args.json:
-        print(json.dumps({version: p.to_dict() for version, p in plans.items()}, indent=2))
+        print(
+            json.dumps(
+                {v: {**p.to_dict(), "pool": pools[v].to_dict() if v in pools else None} for v, p in plans.items()},
+                indent=2,
+            )
+        )
     else:
         print(judged.reason)
+        if version in pools:
+            pool = pools[version]
+            print(
+                f"KV pool at {args.kv_cache_gib:g} GiB: {pool.tokens:,} tokens, max concurrency "
+                f"{pool.max_concurrency:.2f}x at {pool.max_model_len:,} tokens per request "
+                f"({pool.num_blocks} blocks, {pool.blocks_per_request} per request)"
+            )
     return 0 if judged.ok else 1

@@ -291,3 +291,87 @@ def test_plain_attention_target_with_a_drafter(old_drafter: dict) -> None:
     assert result.ok, result.reason
     assert result.mamba_page_size_bytes is None and result.padding_pct == 0
     assert result.drafter_block_size == result.attention_block_size
+
+
+def test_the_pool_reproduces_the_gb10_log_of_the_conc8_recipe(target: dict, old_drafter: dict) -> None:
+    """reference/bench-log-dflash-conc8.md: the pinned drafter at n=5, prefix caching on, a 262K context:
+    "KV cache 27.72 GiB (GPU KV = 800,129 tokens -> max concurrency 3.05x at 262K ctx)"."""
+    conc8 = plan(target, old_drafter, 5, True, enable_prefix_caching=True, max_model_len=262144)
+    assert (conc8.kv_layout, conc8.kv_group_size) == ("hybrid", 4)  # 12 target, 36 GDN, 4 drafter layers
+    pool = kv_page_plan.kv_pool(conc8, int(27.72 * (1 << 30)), 262144)
+    assert pool.tokens == 800_129
+    assert round(pool.max_concurrency, 2) == 3.05
+    # 3 target-attention groups of ceil(262144 / 2144) blocks, 9 GDN groups of 2 + 5 pages, 1 drafter group
+    assert pool.blocks_per_request == 3 * 123 + 9 * 7 + 123
+    # the log's 27.72 is rounded: every size it stands for gives the same pool
+    for gib in (27.715, 27.7249):
+        assert kv_page_plan.kv_pool(conc8, int(gib * (1 << 30)), 262144).tokens == 800_129
+
+
+def test_the_pool_follows_n_prefix_caching_and_the_drafter(target: dict, old_drafter: dict, new_drafter: dict) -> None:
+    kv_bytes, context = 24 << 30, 262144
+    pools = {}
+    for drafter, name in ((old_drafter, "6c7242c"), (new_drafter, "bce6f76")):
+        for n in (5, 12):
+            for caching in (False, True):
+                p = plan(target, drafter, n, True, enable_prefix_caching=caching, max_model_len=context)
+                pools[name, n, caching] = kv_page_plan.kv_pool(p, kv_bytes, context)
+    # each GDN group holds 1 + n pages per request (2 + n with prefix caching): more n, fewer requests
+    assert pools["6c7242c", 12, False].blocks_per_request - pools["6c7242c", 12, True].blocks_per_request == -9
+    assert pools["6c7242c", 12, True].max_concurrency < pools["6c7242c", 5, True].max_concurrency
+    # the newer drafter's 6 layers make groups of 6 and its half-size block doubles its group's blocks
+    newer = plan(target, new_drafter, 12, True, max_model_len=context)
+    assert newer.kv_group_size == 6 and newer.drafter_block_size == 1120
+    assert pools["bce6f76", 12, False].blocks_per_request == 2 * 118 + 6 * 13 + 235
+    for pool in pools.values():
+        assert pool.tokens == int(pool.num_blocks / pool.blocks_per_request * context)
+        assert pool.num_blocks * pool.bytes_per_block <= kv_bytes < (pool.num_blocks + 1) * pool.bytes_per_block
+
+
+def test_the_pool_of_a_dense_target(old_drafter: dict) -> None:
+    """One KV cache group: all layers share a spec (the drafter has the target's geometry), or the group
+    sums the pages of several geometries (UniformTypeKVCacheSpecs); either way no unification."""
+    dense = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "torch_dtype": "bfloat16",
+    }
+    same = dict(old_drafter, num_key_value_heads=1, head_dim=64, num_hidden_layers=1)
+    wide = dict(same, num_key_value_heads=2, num_hidden_layers=2)
+    one = plan(dense, same, 12, True, platform="cpu")
+    assert (one.kv_layout, one.kv_group_size, one.page_size_bytes) == ("uniform", 5, 128 * 256)
+    pool = kv_page_plan.kv_pool(one, 1 << 30, 1024)
+    assert pool.num_blocks == (1 << 30) // (128 * 256) // 5 and pool.blocks_per_request == 8
+    two = plan(dense, wide, 12, True, platform="cpu")
+    assert two.kv_layout == "uniform_type" and two.drafter_block_size == two.attention_block_size == 128
+    assert two.page_size_bytes == 4 * 128 * 256 + 2 * 128 * 512  # every layer's page, summed
+    assert kv_page_plan.kv_pool(two, 1 << 30, 1024).num_blocks == (1 << 30) // two.page_size_bytes
+
+
+def test_no_pool_for_a_plan_that_does_not_unify(target: dict, new_drafter: dict) -> None:
+    stock = plan(target, new_drafter, 12, False)
+    with pytest.raises(KVPlanInputError, match="no KV pool for a plan that does not unify"):
+        kv_page_plan.kv_pool(stock, 1 << 30, 4096)
+    ok = plan(target, None, 0, True)
+    with pytest.raises(KVPlanInputError, match="kv_cache_bytes 0 must be a positive integer"):
+        kv_page_plan.kv_pool(ok, 0, 4096)
+
+
+def test_cli_prints_the_pool_vllm_will_log() -> None:
+    args = ["--target-config", str(TARGET_DIR), "--drafter-config", str(OLD_DRAFTER_DIR)]
+    args += ["--num-speculative-tokens", "5", "--enable-prefix-caching", "--max-model-len", "262144"]
+    result = _kv_plan(*args, "--kv-cache-gib", "27.72")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[1] == (
+        "KV pool at 27.72 GiB: 800,129 tokens, max concurrency 3.05x at 262,144 tokens per request "
+        "(1694 blocks, 555 per request)"
+    )
+    as_json = json.loads(_kv_plan(*args, "--kv-cache-gib", "27.72", "--json").stdout)
+    assert as_json["patched"]["pool"]["tokens"] == 800_129
+    refused = _kv_plan("--target-config", str(TARGET_DIR), "--num-speculative-tokens", "0", "--kv-cache-gib", "3")
+    assert refused.returncode == 2 and "--kv-cache-gib 3.0 needs" in refused.stderr
