@@ -1,4 +1,5 @@
-"""Benchmark clients for a serving host: decode-only, albond's end-to-end, and serving at conc 8.
+"""Benchmark clients for a serving host: decode-only, albond's end-to-end, serving at conc 8, and
+multi-turn prefix reuse.
 
 Standard library only (plus vLLM's own ``vllm bench serve`` for the serving run), so it runs on a
 serving host under the service venv's Python from a copied ``sparkfleet`` directory::
@@ -6,6 +7,7 @@ serving host under the service venv's Python from a copied ``sparkfleet`` direct
     PYTHONPATH=<dir holding sparkfleet> python -m sparkfleet.bench decode --base-url http://127.0.0.1:8000
     python -m sparkfleet.bench e2e --base-url ... --max-tokens-scale 0.125
     python -m sparkfleet.bench serving --base-url ... --num-prompts 64 --max-concurrency 8
+    python -m sparkfleet.bench prefix --base-url ...   # warm-prefix vs cold TTFT over agent turns
     python -m sparkfleet.bench compare --result results/x.json --baselines '{"e2e_tok_s": 53.7}'
 
 and as ``sparkfleet bench ...`` on the controller. Each run writes one result JSON (schema in
@@ -25,7 +27,15 @@ from typing import Any
 
 from sparkfleet.bench import results as res
 from sparkfleet.bench.http_client import BenchHTTPError, OpenAIServer, read_api_key
-from sparkfleet.bench.workloads import DECODE_WORKLOADS, E2E_WORKLOAD, SHAREGPT_DATASET, WorkloadError
+from sparkfleet.bench.workloads import (
+    CONVERSATION_WORKLOADS,
+    DECODE_WORKLOADS,
+    E2E_WORKLOAD,
+    SHAREGPT_DATASET,
+    WorkloadError,
+)
+
+PREFIX_WORKLOAD = CONVERSATION_WORKLOADS[0]
 
 SNAPSHOT_REVISION = re.compile(r"/snapshots/([0-9a-f]{40})(?:/|$)")
 PATCHSET_LINE = re.compile(r"^PATCHSET_ID = ['\"]([^'\"]+)['\"]", re.MULTILINE)
@@ -112,6 +122,16 @@ def add_bench_subcommands(sub: Any) -> None:
     serving.add_argument("--vllm-command", help="how to run vLLM's CLI (default: this Python -m vllm...)")
     serving.set_defaults(func=run_with_errors, command=run_serving_command)
 
+    prefix = sub.add_parser(
+        "prefix", help="multi-turn agent conversations, each turn cold and warm: what prefix caching saves"
+    )
+    _add_common(prefix)
+    prefix.add_argument("--workload", default=PREFIX_WORKLOAD, help=f"conversations (default {PREFIX_WORKLOAD})")
+    prefix.add_argument("--max-tokens-scale", type=float, default=1.0, help="multiply every turn's max_tokens")
+    prefix.add_argument("--max-conversations", type=int, help="use only the first N conversations")
+    prefix.add_argument("--ignore-eos", action="store_true", help="generate up to max_tokens (tiny models)")
+    prefix.set_defaults(func=run_with_errors, command=run_prefix_command)
+
     compare = sub.add_parser("compare", help="compare a result file with baselines")
     compare.add_argument("--result", required=True, help="result JSON written by a bench run")
     compare.add_argument("--baselines", required=True, help="JSON object or file of figure -> baseline")
@@ -121,7 +141,7 @@ def add_bench_subcommands(sub: Any) -> None:
 
 def register(subparsers: Any) -> None:
     """Add ``sparkfleet bench`` (CLI contract of sparkfleet.cli)."""
-    bench = subparsers.add_parser("bench", help="benchmark a serving host (decode, e2e, serving, compare)")
+    bench = subparsers.add_parser("bench", help="benchmark a serving host (decode, e2e, serving, prefix, compare)")
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH")
     add_bench_subcommands(sub)
     bench.set_defaults(func=lambda _args: (bench.print_help(), 2)[1])
@@ -272,6 +292,30 @@ def run_serving_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         vllm_command=shlex.split(args.vllm_command) if args.vllm_command else None,
         api_key=server.api_key,
+    )
+    result.update(figures=figures, details=details, client_cpu=cpu)
+    return _finish(result, args)
+
+
+def run_prefix_command(args: argparse.Namespace) -> int:
+    from sparkfleet.bench.prefix import load_conversations, run_prefix_bench
+
+    server = OpenAIServer(args.base_url, api_key=read_api_key(args.api_key_file))
+    conversations = load_conversations(args.workload, args.max_tokens_scale, args.max_conversations)
+    model, root, revision = _identity(args, server)
+    settings = {
+        "workload": args.workload,
+        "max_tokens_scale": args.max_tokens_scale,
+        "conversations": len(conversations),
+        "turns": sum(len(c.turns) for c in conversations),
+        "ignore_eos": args.ignore_eos,
+        "temperature": 0.0,
+        "stream": True,
+        "concurrency": 1,
+    }
+    result = _new_result("prefix", args, server, model, root, revision, settings)
+    figures, details, cpu = run_prefix_bench(
+        server, model, conversations, progress=not args.quiet, ignore_eos=args.ignore_eos
     )
     result.update(figures=figures, details=details, client_cpu=cpu)
     return _finish(result, args)

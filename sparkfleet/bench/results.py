@@ -4,7 +4,7 @@ Standard library only. One result file per benchmark run::
 
     {
       "schema": "sparkfleet-bench/1",
-      "kind": "decode" | "e2e" | "serving",
+      "kind": "decode" | "e2e" | "serving" | "prefix",
       "host": "spark-01",                 # --host-label, else the machine's host name
       "profile": "dflash",                # --profile (the sparkfleet serving profile)
       "patch_set": "sf1-3a9c...",         # --patch-set (id of the vLLM patch series), or null
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 SCHEMA = "sparkfleet-bench/1"
-KINDS = ("decode", "e2e", "serving")
+KINDS = ("decode", "e2e", "serving", "prefix")
 LOWER_IS_BETTER_MARKERS = ("ttft", "tpot", "itl", "_ms", "latency")
 
 

@@ -6,7 +6,8 @@ Standard library only. The data directory is found relative to this file, so a c
     {"name": "prose", "description": "...",
      "requests": [{"id": "prose-01", "messages": [{"role": "user", "content": "..."}], "max_tokens": 512}]}
 
-``sharegpt_small.json`` is a list of ShareGPT conversations for ``vllm bench serve``.
+``sharegpt_small.json`` is a list of ShareGPT conversations for ``vllm bench serve``, and
+``agent_turns.json`` multi-turn conversations for ``bench prefix`` (sparkfleet.bench.prefix).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "data" / "workloads"
 DECODE_WORKLOADS = ("prose", "code", "counting", "agent")
 E2E_WORKLOAD = "albond_e2e"
+# Conversations (sparkfleet.bench.prefix), not lists of requests.
+CONVERSATION_WORKLOADS = ("agent_turns",)
 SHAREGPT_DATASET = WORKLOAD_DIR / "sharegpt_small.json"
 
 
@@ -47,7 +50,7 @@ def available_workloads() -> list[str]:
     """Names of the workload files shipped in the data directory."""
     names = []
     for path in sorted(WORKLOAD_DIR.glob("*.json")):
-        if path.name != SHAREGPT_DATASET.name:
+        if path.name != SHAREGPT_DATASET.name and path.stem not in CONVERSATION_WORKLOADS:
             names.append(path.stem)
     return names
 

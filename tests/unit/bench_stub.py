@@ -16,6 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
+CHARS_PER_TOKEN = 4
+CACHE_BLOCK_TOKENS = 16
 
 
 class StubState:
@@ -32,8 +34,19 @@ class StubState:
         merge_first: int,
         burst: bool = False,
         api_key: str | None = None,
+        prefix_caching: bool = False,
+        wrong_when_cached: bool = False,
     ) -> None:
         self.lock = threading.Lock()
+        # Prefix caching as vLLM does it, coarsely: a prompt is its messages' text, 4 characters a token,
+        # cached in blocks of CACHE_BLOCK_TOKENS under the request's cache_salt (with the answer once it
+        # is done); a hit skips that share of the prefill. ``wrong_when_cached`` answers a request that
+        # hit differently (the fault a prefix-cache bug shows).
+        self.prefix_caching = prefix_caching
+        self.wrong_when_cached = wrong_when_cached
+        self.cached: dict[str | None, list[str]] = {}
+        self.cache_queries = 0.0
+        self.cache_hits = 0.0
         self.api_key = api_key  # as vLLM's --api-key: /v1 answers 401 without "Bearer <key>"
         self.refused = 0
         self.merge_first = merge_first
@@ -61,6 +74,7 @@ class StubState:
                 "vllm:request_time_per_output_token_seconds",
                 "vllm:request_decode_time_seconds",
                 "vllm:inter_token_latency_seconds",
+                "vllm:time_to_first_token_seconds",
             )
         }
         self.extra_requests = 0  # simulate foreign traffic: counted on /metrics, not sent by the client
@@ -74,8 +88,43 @@ class StubState:
         hist["sum"] += value
         hist["count"] += 1
 
-    def record(self, tokens: int, first: float, last: float, gaps: list[float]) -> None:
+    def prompt_hit_tokens(self, salt: str | None, prompt: str) -> tuple[int, int]:
+        """(prompt tokens, tokens found in the cache under ``salt``): whole blocks of a cached text."""
+        tokens = len(prompt) // CHARS_PER_TOKEN
+        if not self.prefix_caching:
+            return tokens, 0
+        best = 0
         with self.lock:
+            for text in self.cached.get(salt, []):
+                common = 0
+                for a, b in zip(text, prompt, strict=False):
+                    if a != b:
+                        break
+                    common += 1
+                best = max(best, common)
+        hit_blocks = min(best, len(prompt) - 1) // CHARS_PER_TOKEN // CACHE_BLOCK_TOKENS
+        return tokens, hit_blocks * CACHE_BLOCK_TOKENS
+
+    def remember(self, salt: str | None, text: str) -> None:
+        if self.prefix_caching:
+            with self.lock:
+                self.cached.setdefault(salt, []).append(text)
+
+    def record(
+        self,
+        tokens: int,
+        first: float,
+        last: float,
+        gaps: list[float],
+        ttft: float | None = None,
+        queries: int = 0,
+        hits: int = 0,
+    ) -> None:
+        with self.lock:
+            if ttft is not None:
+                self.observe("vllm:time_to_first_token_seconds", ttft)
+            self.cache_queries += queries
+            self.cache_hits += hits
             requests = 1 + self.extra_requests
             self.counters["success"] += requests
             self.counters["generation_tokens"] += tokens
@@ -107,6 +156,8 @@ class StubState:
                 f"vllm:spec_decode_num_drafts_total{{{labels}}} {self.counters['drafts']}",
                 f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {self.counters['draft_tokens']}",
                 f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {self.counters['accepted']}",
+                f"vllm:prefix_cache_queries_total{{{labels}}} {self.cache_queries}",
+                f"vllm:prefix_cache_hits_total{{{labels}}} {self.cache_hits}",
             ]
             for pos, value in enumerate(self.per_pos):
                 lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{pos}"}} {value}')
@@ -172,18 +223,26 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
                 self._send(400, b'{"error": "stub wants temperature 0"}', "application/json")
                 return
             tokens = max_tokens
-            time.sleep(state.prefill_s + (state.first_run_extra_s if first_time else 0.0))
+            arrived = time.perf_counter()
+            salt = body.get("cache_salt")
+            prompt = "".join(str(m.get("content", "")) for m in body["messages"])
+            prompt_tokens, hits = state.prompt_hit_tokens(salt, prompt)
+            uncached = 1.0 - hits / prompt_tokens if prompt_tokens else 1.0
+            time.sleep(state.prefill_s * uncached + (state.first_run_extra_s if first_time else 0.0))
+            letter = "u" if state.wrong_when_cached and hits else "t"
+            self.cache = {"arrived": arrived, "queries": prompt_tokens, "hits": hits, "salt": salt, "prompt": prompt}
             if body.get("stream"):
-                self._stream(tokens, bool((body.get("stream_options") or {}).get("continuous_usage_stats")))
+                self._stream(tokens, bool((body.get("stream_options") or {}).get("continuous_usage_stats")), letter)
             else:
                 first = time.perf_counter()
                 time.sleep(state.token_gap_s * (tokens - 1))
                 last = time.perf_counter()
                 payload = {
                     "choices": [{"message": {"content": "x" * tokens}, "finish_reason": "length"}],
-                    "usage": {"prompt_tokens": 5, "completion_tokens": tokens},
+                    "usage": {"prompt_tokens": self.cache["queries"], "completion_tokens": tokens},
                 }
                 self._send(200, json.dumps(payload).encode(), "application/json")
+                state.remember(salt, prompt + "x" * tokens)
                 self._record_later(tokens, first, last, [state.token_gap_s] * (tokens - 1))
 
         def _chunk(self, data: str) -> None:
@@ -191,7 +250,7 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(f"{len(raw):x}\r\n".encode() + raw + b"\r\n")
             self.wfile.flush()
 
-        def _stream(self, tokens: int, continuous: bool) -> None:
+        def _stream(self, tokens: int, continuous: bool, letter: str = "t") -> None:
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Transfer-Encoding", "chunked")
@@ -201,7 +260,7 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
                 delta = {"role": "assistant", "content": ""} if content is None else {"content": content}
                 event: dict[str, Any] = {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
                 if continuous:
-                    event["usage"] = {"prompt_tokens": 5, "completion_tokens": generated}
+                    event["usage"] = {"prompt_tokens": self.cache["queries"], "completion_tokens": generated}
                 self._chunk(json.dumps(event))
 
             # token 1 is ready now (vLLM's first_token_ts); like a lagging API server, the stub
@@ -213,23 +272,24 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
                     token_times.append(time.perf_counter())
                 send(None, 0)
                 for index in range(tokens):
-                    send("t", index + 1, "length" if index == tokens - 1 else None)
-                self._finish(tokens, token_times)
+                    send(letter, index + 1, "length" if index == tokens - 1 else None)
+                self._finish(tokens, token_times, letter)
                 return
             merged = min(state.merge_first, tokens)
             for _ in range(merged - 1):
                 time.sleep(state.token_gap_s)
                 token_times.append(time.perf_counter())
             send(None, 0)
-            send("t" * merged, merged, "length" if merged == tokens else None)
+            send(letter * merged, merged, "length" if merged == tokens else None)
             for index in range(merged, tokens):
                 time.sleep(state.token_gap_s)
                 token_times.append(time.perf_counter())
-                send("t", index + 1, "length" if index == tokens - 1 else None)
-            self._finish(tokens, token_times)
+                send(letter, index + 1, "length" if index == tokens - 1 else None)
+            self._finish(tokens, token_times, letter)
 
-        def _finish(self, tokens: int, token_times: list[float]) -> None:
-            usage = {"prompt_tokens": 5, "completion_tokens": tokens}
+        def _finish(self, tokens: int, token_times: list[float], letter: str = "t") -> None:
+            usage = {"prompt_tokens": self.cache["queries"], "completion_tokens": tokens}
+            state.remember(self.cache["salt"], self.cache["prompt"] + letter * tokens)
             self._chunk(json.dumps({"choices": [], "usage": usage}))
             self._chunk("[DONE]")
             self.wfile.write(b"0\r\n\r\n")
@@ -238,7 +298,10 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
             self._record_later(tokens, token_times[0], token_times[-1], gaps)
 
         def _record_later(self, tokens: int, first: float, last: float, gaps: list[float]) -> None:
-            timer = threading.Timer(state.record_delay_s, state.record, args=(tokens, first, last, gaps))
+            cache = getattr(self, "cache", None) or {}
+            args = (tokens, first, last, gaps, first - cache["arrived"] if cache else None)
+            kwargs = {"queries": cache.get("queries", 0), "hits": cache.get("hits", 0)}
+            timer = threading.Timer(state.record_delay_s, state.record, args=args, kwargs=kwargs)
             timer.daemon = True
             timer.start()
 
@@ -259,6 +322,8 @@ class StubServer:
         merge_first: int = 1,
         burst: bool = False,
         api_key: str | None = None,
+        prefix_caching: bool = False,
+        wrong_when_cached: bool = False,
     ) -> None:
         self.state = StubState(
             token_gap_s,
@@ -270,6 +335,8 @@ class StubServer:
             merge_first,
             burst=burst,
             api_key=api_key,
+            prefix_caching=prefix_caching,
+            wrong_when_cached=wrong_when_cached,
         )
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(self.state))
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)

@@ -267,6 +267,33 @@ def sharegpt_small(rng: random.Random, count: int = 96) -> list[dict[str, object
     return conversations
 
 
+def agent_turns_set(rng: random.Random, count: int = 3, turns: int = 4) -> dict[str, object]:
+    """Conversations for `bench prefix`: the agent system prompt, then turns that each add a tool result
+    to the conversation so far (the model's own answers stay in it), as an agent's next turn does."""
+    conversations = []
+    for index, (goal, file_name) in enumerate(AGENT_GOALS[:count], 1):
+        user_turns = [f"Task: {goal}. Start by looking around the repository."]
+        for turn in range(1, turns):
+            lines = [f"{n:3d}  " + rng.choice(["import os", "import json", "def main():", "    pass", "    return 0"])
+                     for n in range(1, 5 + turn)]  # fmt: skip
+            user_turns.append(
+                f"<tool_response>\n{file_name} (part {turn}):\n" + "\n".join(lines) + "\n</tool_response>\n"
+                "Continue with the task."
+            )
+        conversations.append(
+            {"id": f"agent-turns-{index:02d}", "system": agent_system_prompt(), "turns": user_turns, "max_tokens": 256}
+        )
+    return {
+        "name": "agent_turns",
+        "description": (
+            "SYNTHETIC multi-turn agent conversations for `bench prefix`: one system prompt shared by all, "
+            "each turn the whole conversation so far plus a tool result; sent cold (a cache salt of its own) "
+            "and warm (the run's salt) to measure what prefix caching saves."
+        ),
+        "conversations": conversations,
+    }
+
+
 def build_all() -> dict[str, object]:
     rng = random.Random(SEED)
     return {
@@ -276,6 +303,7 @@ def build_all() -> dict[str, object]:
         "agent.json": agent_set(rng),
         "albond_e2e.json": albond_e2e_set(),
         "sharegpt_small.json": sharegpt_small(rng),
+        "agent_turns.json": agent_turns_set(rng),
     }
 
 
