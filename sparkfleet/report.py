@@ -2,7 +2,7 @@
 
     sparkfleet report --results results/ --out results/report.md
 
-Sections per host and profile (the latest decode, e2e and serving run each, with tables and
+Sections per host and profile (the latest decode, e2e, serving and prefix run each, with tables and
 bar charts), each run's baseline verdicts, plots over time where a host/profile has several runs
 of a kind, and a cross-host comparison per profile. Plots are PNG files written next to the
 report (``<report stem>_plots/``) by a small pure-Python renderer (``sparkfleet.bench.png_charts``):
@@ -22,12 +22,19 @@ from typing import Any
 from sparkfleet.bench import png_charts
 from sparkfleet.bench.results import ResultError, load_result
 
-HEADLINE = {"decode": "decode_tok_s_median", "e2e": "e2e_tok_s", "serving": "serving_output_tok_s"}
+HEADLINE = {
+    "decode": "decode_tok_s_median",
+    "e2e": "e2e_tok_s",
+    "serving": "serving_output_tok_s",
+    "prefix": "prefix_ttft_warm_over_cold",
+}
 HEADLINE_LABEL = {
     "decode": "decode-only tok/s (median)",
     "e2e": "end-to-end tok/s (albond method, mean)",
     "serving": "output tok/s at conc 8 (vllm bench serve)",
+    "prefix": "warm-prefix TTFT / cold TTFT (agent turns)",
 }
+KINDS = tuple(HEADLINE)
 
 
 def load_all(results_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
@@ -268,7 +275,47 @@ def serving_section(report: ReportWriter, result: dict[str, Any], key: str) -> N
             )
 
 
-SECTIONS = {"decode": decode_section, "e2e": e2e_section, "serving": serving_section}
+def prefix_section(report: ReportWriter, result: dict[str, Any], key: str) -> None:
+    figures = result["figures"]
+    details = result["details"]
+    report.add(
+        f"{fmt(details.get('conversations'))} conversations, every turn sent cold (a cache salt of its own) and "
+        f"warm (the run's salt): warm-prefix TTFT **{fmt(figures.get('prefix_ttft_warm_s_median'))} s** against cold "
+        f"{fmt(figures.get('prefix_ttft_cold_s_median'))} s (medians over the turns after each conversation's first), "
+        f"ratio **{fmt(figures.get('prefix_ttft_warm_over_cold'))}** ({details.get('headline_source')}; client "
+        f"{fmt(figures.get('client_prefix_ttft_warm_over_cold'))}, server "
+        f"{fmt(figures.get('server_prefix_ttft_warm_over_cold'))}). {fmt(figures.get('prefix_cache_hits_warm'))} "
+        f"prompt tokens came from the cache (hit rate {fmt(figures.get('prefix_cache_hit_rate_warm'))}; cold twins "
+        f"{fmt(figures.get('prefix_cache_hits_cold'))}); greedy mismatches between twins: "
+        f"**{fmt(figures.get('prefix_greedy_mismatches'))}**; acceptance length warm "
+        f"{fmt(figures.get('acceptance_length_warm'))}, cold {fmt(figures.get('acceptance_length_cold'))}.",
+        "",
+        "| turn | prompt tokens | cached tokens | TTFT cold s | TTFT warm s | server TTFT cold / warm s "
+        "| same answer |",
+        "|---|---|---|---|---|---|---|",
+    )
+    turns = details.get("turns", [])
+    for turn in turns:
+        report.add(
+            f"| {turn['id']} | {turn['prompt_tokens']} | {fmt(turn['cache_hits_warm'])} | {fmt(turn['ttft_cold_s'])} | "
+            f"{fmt(turn['ttft_warm_s'])} | {fmt(turn['server_ttft_cold_s'])} / {fmt(turn['server_ttft_warm_s'])} | "
+            f"{fmt(turn['greedy_identical'])} |"
+        )
+    report.add("")
+    if turns:
+        report.plot(
+            f"{key}-prefix",
+            png_charts.bar_chart(
+                f"TTFT per turn, cold and warm - {result['host']} / {result.get('profile') or '-'}",
+                [turn["id"] for turn in turns],
+                [("cold", [t["ttft_cold_s"] for t in turns]), ("warm", [t["ttft_warm_s"] for t in turns])],
+                "TIME TO FIRST TOKEN, S",
+            ),
+            "TTFT per turn, cold and warm",
+        )
+
+
+SECTIONS = {"decode": decode_section, "e2e": e2e_section, "serving": serving_section, "prefix": prefix_section}
 
 
 def over_time(report: ReportWriter, runs: list[dict[str, Any]], kind: str, key: str) -> None:
@@ -322,7 +369,7 @@ def build_report(results_dir: Path, out: Path) -> ReportWriter:
         "|---|---|---|---|---|---|---|",
     )
     for (host, profile), runs in sorted(groups.items()):
-        for kind in ("decode", "e2e", "serving"):
+        for kind in KINDS:
             of_kind = [r for r in runs if r["kind"] == kind]
             if of_kind:
                 latest = of_kind[-1]
@@ -337,7 +384,7 @@ def build_report(results_dir: Path, out: Path) -> ReportWriter:
     for (host, profile), runs in sorted(groups.items()):
         key = slug(host, profile)
         report.add(f"## {host} / {profile}", "")
-        for kind in ("decode", "e2e", "serving"):
+        for kind in KINDS:
             of_kind = [r for r in runs if r["kind"] == kind]
             if not of_kind:
                 continue

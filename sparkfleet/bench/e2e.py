@@ -8,8 +8,8 @@ headline figure ``e2e_tok_s`` is the mean over the five prompts.
 ``max_tokens_scale`` multiplies every max_tokens (1.0 = the method as published; e.g. 0.125 for
 the tiny sandbox models). Every run carries a ``cache_salt`` of its own: on a server with prefix caching
 on, run 2 would otherwise find run 1's prompt in the cache and skip the prefill the method includes
-(the published figures were measured with prefix caching off). Acceptance length over the kept runs comes from ``/metrics`` deltas
-(the discarded runs are outside the windows).
+(the published figures were measured with prefix caching off). Acceptance length over the kept runs
+comes from ``/metrics`` deltas (the discarded runs are outside the windows).
 """
 
 from __future__ import annotations

@@ -210,3 +210,37 @@ def test_report_marks_an_invalid_client_figure_and_shows_the_server_headline(tmp
     assert "| agent | 8 | 712 (server) | 299130 **INVALID** | 712 |" in text, text
     assert "**agent: the client's figure is invalid** (299130 tok/s, TPOT -60.0% against the server's" in text
     assert "agent-3 (-99.8%)" in text and "the headline is the server's 712 tok/s" in text
+
+
+def test_report_shows_the_warm_and_cold_ttft_of_the_prefix_run(tmp_path: Path) -> None:
+    turns = [
+        {"id": f"agent-turns-01#{t}", "prompt_tokens": 300 + 60 * t, "cache_hits_warm": 0 if t == 1 else 256 + 64 * t,
+         "ttft_cold_s": 0.40, "ttft_warm_s": 0.40 if t == 1 else 0.05, "server_ttft_cold_s": 0.38,
+         "server_ttft_warm_s": 0.38 if t == 1 else 0.04, "greedy_identical": True}
+        for t in (1, 2, 3)
+    ]  # fmt: skip
+    figures = {
+        "prefix_ttft_warm_over_cold": 0.125,
+        "client_prefix_ttft_warm_over_cold": 0.125,
+        "server_prefix_ttft_warm_over_cold": 0.105,
+        "prefix_ttft_cold_s_median": 0.40,
+        "prefix_ttft_warm_s_median": 0.05,
+        "prefix_cache_hits_warm": 704.0,
+        "prefix_cache_hit_rate_warm": 0.55,
+        "prefix_cache_hits_cold": 0.0,
+        "prefix_greedy_mismatches": 0,
+        "acceptance_length_warm": 7.7,
+        "acceptance_length_cold": 7.6,
+    }
+    details = {"conversations": 1, "turns": turns, "headline_source": "client"}
+    results = tmp_path / "results"
+    result = make_result("prefix", "spark-01", "dflash", "2026-12-03T10:00:00Z", figures, details)
+    res.write_result(result, results / res.default_result_name(result))
+    assert cli.main(["report", "--results", str(results), "--out", str(tmp_path / "report.md")]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "| spark-01 | dflash | prefix | warm-prefix TTFT / cold TTFT (agent turns) | 0.125 |" in text
+    assert "warm-prefix TTFT **0.05 s** against cold 0.4 s" in text and "ratio **0.125** (client" in text
+    assert "| agent-turns-01#2 | 420 | 384 | 0.4 | 0.05 | 0.38 / 0.04 | yes |" in text
+    assert "greedy mismatches between twins: **0**" in text
+    (image,) = [line.split("(")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
+    assert "prefix" in image and decode_png((tmp_path / image).read_bytes())[:2] == (900, 460)
