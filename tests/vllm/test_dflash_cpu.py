@@ -136,6 +136,9 @@ def start_server(site: Path, model: Path, port: int, log: Path, cache: Path, ext
         VLLM_CPU_KVCACHE_SPACE="1",
         # the CPU sampler's torch.compile of its random-sampling helper costs ~24 s a start (eager: same math)
         TORCHDYNAMO_DISABLE="1",
+        # engine core and worker forked, not spawned: no second and third import of torch and vLLM
+        # (CPU patch 0006 keeps the setting)
+        VLLM_WORKER_MULTIPROC_METHOD="fork",
         VLLM_CACHE_ROOT=str(cache),
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",

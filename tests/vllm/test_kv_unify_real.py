@@ -26,6 +26,7 @@ import argparse
 import collections
 import contextlib
 import copy
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -36,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +64,7 @@ DRAFTERS = {
 REFERENCE_NS = (0, 5, 8, 12, 15)
 MAX_MODEL_LEN = 4096
 KV_CACHE_BYTES = 4 << 30  # what get_kv_cache_configs may plan with (nothing is allocated)
+LONG_CONTEXT_KV_CACHE_BYTES = 28 << 30  # one 262,144-token request of the 122B takes ~10 GiB
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,18 @@ class Case:
     platform: str = "cuda"
     block_size: int | None = None
     enable_prefix_caching: bool = False
+    max_model_len: int = MAX_MODEL_LEN
+    kv_bytes: int | None = None
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV memory this case plans with: ``kv_bytes``, else KV_CACHE_BYTES less a per-case odd
+        amount, so block counts are not round numbers."""
+        if self.kv_bytes is not None:
+            return self.kv_bytes
+        salt = zlib.crc32(f"{self.name}/{self.drafter_label}/{self.num_speculative_tokens}".encode())
+        base = KV_CACHE_BYTES if self.max_model_len <= MAX_MODEL_LEN else LONG_CONTEXT_KV_CACHE_BYTES
+        return base - salt % (1 << 28)
 
     def plan(self, patched: bool) -> kv_page_plan.KVPlan:
         return kv_page_plan.plan(
@@ -91,7 +106,7 @@ class Case:
             platform=self.platform,
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=self.max_model_len,
         )
 
 
@@ -112,6 +127,10 @@ class Outcome:
     log_lines: list[str] = field(default_factory=list)
     scheduler_block_size: int | None = None
     hash_block_size: int | None = None
+    # the KV pool (get_kv_cache_config_from_groups, get_max_concurrency_for_kv_cache_config)
+    num_blocks: int | None = None
+    max_concurrency: float | None = None
+    kv_tokens: int | None = None  # vLLM's "GPU KV cache size: N tokens"
     # what the scheduler is built from (kept for the prefix-caching runs; never compared)
     vllm_config: Any = field(default=None, repr=False, compare=False)
     kv_cache_config: Any = field(default=None, repr=False, compare=False)
@@ -217,7 +236,7 @@ class RealVLLM:
         model_config = ModelConfig(
             model=str(self.config_dir(case.target)),
             skip_tokenizer_init=True,
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=case.max_model_len,
         )
         parallel_config = ParallelConfig()
         speculative_config = None
@@ -257,7 +276,7 @@ class RealVLLM:
         from vllm.model_executor.models import ModelRegistry
         from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
         from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
+        from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
         from vllm.v1.worker.utils import select_common_block_size
 
         code = self.patched if patched else self.stock
@@ -337,11 +356,17 @@ class RealVLLM:
         # 3. grouping and page-size unification (get_kv_cache_configs -> get_kv_cache_groups), then
         # the scheduler side: its block sizes and the KV cache manager over the unified config
         try:
-            kv_cache_config = code.kv_cache_utils.get_kv_cache_configs(vllm_config, [specs], [KV_CACHE_BYTES])[0]
+            kv_cache_config = code.kv_cache_utils.get_kv_cache_configs(vllm_config, [specs], [case.kv_cache_bytes])[0]
         except (AssertionError, NotImplementedError, ValueError) as exc:
             outcome.stage, outcome.error = "unify", f"{type(exc).__name__}: {exc}"
             return outcome
         groups = kv_cache_config.kv_cache_groups
+        # the pool as the engine reports it at start (_report_kv_cache_config)
+        outcome.num_blocks = kv_cache_config.num_blocks
+        outcome.max_concurrency = code.kv_cache_utils.get_max_concurrency_for_kv_cache_config(
+            vllm_config, kv_cache_config
+        )
+        outcome.kv_tokens = int(outcome.max_concurrency * model_config.max_model_len)
         # the proposer's own check when the runner hands it the KV cache config (one group for every
         # drafting layer: validate_same_kv_cache_group, run on a stand-in that holds only the names)
         if draft_spec is not None:
@@ -360,6 +385,8 @@ class RealVLLM:
         outcome.page_size_bytes = pages.pop()
         for group in groups:
             spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):  # one group of several full-attention geometries
+                spec = next(iter(spec.kv_cache_specs.values()))
             if isinstance(spec, MambaSpec) and outcome.mamba_page_size_bytes:
                 outcome.padding_pct = round(
                     100 * (spec.page_size_bytes - outcome.mamba_page_size_bytes) / outcome.mamba_page_size_bytes,
@@ -379,7 +406,7 @@ class RealVLLM:
         with set_current_vllm_config(vllm_config):
             for group in groups:
                 spec = group.kv_cache_spec
-                if isinstance(spec, AttentionSpec):
+                if isinstance(spec, AttentionSpec | UniformTypeKVCacheSpecs):
                     try:
                         kernel = select_common_block_size(spec.block_size, [backend])
                     except ValueError as exc:
@@ -399,12 +426,14 @@ class RealVLLM:
         # 5. the scheduler, as EngineCore builds it after the workers' KV caches: its block sizes
         # and the KV cache manager (the coordinator prefix caching picks, with its asserts)
         try:
+            # what EngineCore hands the scheduler: a one-group model of several geometries as one of them
+            scheduler_config = code.kv_cache_utils.generate_scheduler_kv_cache_config([kv_cache_config])
             scheduler_block_size, hash_block_size = code.kv_cache_utils.resolve_kv_cache_block_sizes(
-                kv_cache_config, vllm_config
+                scheduler_config, vllm_config
             )
             KVCacheManager(
-                kv_cache_config,
-                MAX_MODEL_LEN,
+                scheduler_config,
+                case.max_model_len,
                 scheduler_block_size,
                 hash_block_size,
                 enable_caching=cache_config.enable_prefix_caching,
@@ -456,7 +485,7 @@ def check_kv_views(groups: list[Any], kernel_sizes: list[int], backend: type, ca
     asserts that every kernel block of an attention layer lies inside its own page.
     """
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionBackend
-    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
     from vllm.v1.worker.utils import AttentionGroup
 
@@ -465,10 +494,16 @@ def check_kv_views(groups: list[Any], kernel_sizes: list[int], backend: type, ca
     raw_tensors = {}
     for group_id, group in enumerate(groups):
         spec = group.kv_cache_spec
-        layer = group.layer_names[0]
-        group_backend = backend if isinstance(spec, AttentionSpec) else GDNAttentionBackend
-        attn_groups.append(AttentionGroup(group_backend, [layer], spec, group_id))
-        raw_tensors[layer] = torch.empty(num_pages * spec.page_size_bytes, dtype=torch.int8)
+        # a one-group model of several geometries: the runner views each layer with its own spec
+        per_layer = spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else {group.layer_names[0]: spec}
+        seen = set()
+        for layer, layer_spec in per_layer.items():
+            if layer_spec in seen:
+                continue
+            seen.add(layer_spec)
+            group_backend = backend if isinstance(layer_spec, AttentionSpec) else GDNAttentionBackend
+            attn_groups.append(AttentionGroup(group_backend, [layer], layer_spec, group_id))
+            raw_tensors[layer] = torch.empty(num_pages * layer_spec.page_size_bytes, dtype=torch.int8)
     runner = SimpleNamespace(
         runner_only_attn_layers=set(),
         cache_config=cache_config,
@@ -647,6 +682,38 @@ def grid_cases() -> list[Case]:
                     changes = {"num_key_value_heads": geometry[0], "head_dim": geometry[1]}
                     config = variant(drafter, num_hidden_layers=layers, sliding_window=window, **changes)
                 cases.append(Case(label, target, config, name, n, enable_prefix_caching=caching))
+    # dense (non-hybrid) targets: one KV cache group, never unified; a drafter of the target's geometry
+    # shares its spec, another geometry makes one group of several page sizes (UniformTypeKVCacheSpecs)
+    dense = {
+        key: value for key, value in drafter.items() if key not in ("dflash_config", "block_size", "sliding_window")
+    }
+    dense.update(architectures=["Qwen3ForCausalLM"], num_hidden_layers=8, use_sliding_window=False)
+    for kv_heads, layers, n in ((4, 1, 3), (8, 2, 6)):
+        for platform in ("cuda", "cpu"):
+            cases.append(
+                Case(
+                    "dense target",
+                    dense,
+                    variant(drafter, num_key_value_heads=kv_heads, num_hidden_layers=layers),
+                    f"{kv_heads}x128 {layers}L",
+                    n,
+                    platform=platform,
+                )
+            )
+    # the full context the profiles serve: the pool and its concurrency at 262,144 tokens
+    for revision in DRAFTERS:
+        for caching in (False, True):
+            cases.append(
+                Case(
+                    "262,144-token context",
+                    target,
+                    DRAFTERS_JSON[revision],
+                    f"dflash {revision}",
+                    12,
+                    enable_prefix_caching=caching,
+                    max_model_len=262144,
+                )
+            )
     # the CPU platform (sandbox): block 128, CPU_ATTN
     for revision in DRAFTERS:
         for n in (5, 12):
@@ -798,6 +865,9 @@ def test_planner_matches_real_vllm(reference_rows: list[dict[str, Any]], grid_ro
                 real.scheduler_block_size,
                 real.hash_block_size,
             ), where
+            pool = kv_page_plan.kv_pool(predicted, case.kv_cache_bytes, case.max_model_len)
+            assert (pool.num_blocks, pool.tokens) == (real.num_blocks, real.kv_tokens), where
+            assert pool.max_concurrency == pytest.approx(real.max_concurrency, rel=1e-12), where
         else:
             assert predicted.failure_stage == real.stage, (where, real.error, predicted.reason)
         if real.mamba_page_size_bytes is not None:
@@ -1051,6 +1121,8 @@ def prefix_caching_rows(real_vllm: RealVLLM, patched: bool = True) -> list[tuple
     rows = []
     for case in grid_cases():
         if case.enable_prefix_caching and case.drafter is not None and case.num_speculative_tokens in (1, 8, 16):
+            # the whole KV_CACHE_BYTES: a pool that holds the long prompt and the second request
+            case = dataclasses.replace(case, kv_bytes=KV_CACHE_BYTES)
             outcome = real_vllm.run(case, patched)
             if outcome.ok:
                 rows.append((case, outcome))
@@ -1187,6 +1259,8 @@ def render_table(rows: list[dict[str, Any]]) -> list[str]:
             options.append(case.platform)
         if case.enable_prefix_caching:
             options.append("prefix caching")
+        if case.max_model_len != MAX_MODEL_LEN:
+            options.append(f"context {case.max_model_len}")
         agrees = all(_agrees(row) for row in (stock_row, patched_row))
         lines.append(
             f"| {case.name} | {drafter} | {case.num_speculative_tokens} | {', '.join(options) or '-'} | "
@@ -1201,6 +1275,7 @@ def _agrees(row: dict[str, Any]) -> bool:
         return False
     if not real.ok:
         return predicted.failure_stage == real.stage
+    pool = kv_page_plan.kv_pool(predicted, row["case"].kv_cache_bytes, row["case"].max_model_len)
     return (
         predicted.attention_block_size,
         predicted.drafter_block_size,
@@ -1208,6 +1283,8 @@ def _agrees(row: dict[str, Any]) -> bool:
         round(predicted.padding_pct, 2),
         predicted.scheduler_block_size,
         predicted.hash_block_size,
+        pool.num_blocks,
+        pool.tokens,
     ) == (
         real.attention_block_size,
         real.drafter_block_size,
@@ -1215,6 +1292,8 @@ def _agrees(row: dict[str, Any]) -> bool:
         round(real.padding_pct, 2),
         real.scheduler_block_size,
         real.hash_block_size,
+        real.num_blocks,
+        real.kv_tokens,
     )
 
 
@@ -1257,8 +1336,123 @@ def prefix_caching_section(real: RealVLLM) -> list[str]:
     return [*lines, ""]
 
 
+# The one KV cache size a GB10 log gives (reference/bench-log-dflash-conc8.md: the int4-AutoRound-EC target
+# with the pinned drafter at n=5, prefix caching on, --gpu-memory-utilization 0.85): "KV cache 27.72 GiB
+# (GPU KV = 800,129 tokens -> max concurrency 3.05x at 262K ctx)".
+GB10_LOG_KV_GIB = 27.72
+GB10_LOG_POOL = (800_129, 3.05)
+# The pools the reference reports for dflash and dense at --gpu-memory-utilization 0.82 (DESIGN.md).
+REFERENCE_POOLS = (456_664, 426_610)
+PROFILES_FILE = REPO_ROOT / "inventory" / "group_vars" / "all" / "profiles.yml"
+
+
+def profile_pool_cases() -> list[Case]:
+    """The shipped profiles (and the dflash profile with the newer drafter revision) at their own n,
+    prefix caching and 262,144-token context, planned with the GB10 log's KV cache size."""
+    import yaml
+
+    data = yaml.safe_load(PROFILES_FILE.read_text())
+    common = data["sparkfleet_serve_args_common"]
+    target = load_json(TARGET_FIXTURE)
+    kv_bytes = int(GB10_LOG_KV_GIB * (1 << 30))
+    cases = []
+    for name, profile in data["sparkfleet_profiles_builtin"].items():
+        args = {**common, **(profile.get("serve_args") or {})}
+        n = (profile.get("speculative") or {}).get("num_speculative_tokens", 0)
+        revisions = ["6c7242c", "bce6f76"] if name == "dflash" else ["6c7242c"] if profile.get("drafter") else [None]
+        for revision in revisions:
+            cases.append(
+                Case(
+                    name,
+                    target,
+                    DRAFTERS_JSON[revision] if revision else None,
+                    f"dflash {revision}" if revision else None,
+                    n if revision else 0,
+                    enable_prefix_caching=bool(args.get("enable-prefix-caching")),
+                    max_model_len=int(args["max-model-len"]),
+                    kv_bytes=kv_bytes,
+                )
+            )
+    return cases
+
+
+def profile_pool_section(real: RealVLLM) -> list[str]:
+    """The KV pool the planner predicts for each shipped profile, beside what vLLM's functions build."""
+    lines = [
+        "## The KV pool at 262,144 tokens of context (the shipped profiles)",
+        "",
+        "How many tokens the KV cache holds and how many full-context requests fit at once, as vLLM 0.23",
+        "reports them at start (`GPU KV cache size: N tokens`, `Maximum concurrency for 262,144 tokens per",
+        "request: Cx`), for a KV cache of the size the one GB10 log in `reference/` gives (27.72 GiB: the",
+        "conc-8 recipe at `--gpu-memory-utilization 0.85`). vLLM splits the layers into KV cache groups of",
+        "one page size (every layer type dealt into groups of the smallest type's size); a request holds",
+        "`ceil(262144 / block)` blocks in each attention group and `1 + n` pages in each GDN group (`2 + n`",
+        "with prefix caching's `align` mode), and the pool is `KV bytes // (page x layers per group)`",
+        "blocks. `planner` is `sparkfleet.kv_page_plan.kv_pool` (stdlib only); `vLLM` is",
+        "`get_kv_cache_configs` and `get_max_concurrency_for_kv_cache_config` of the patched build.",
+        "",
+        "| profile | drafter | n | prefix caching | groups (layers each) | blocks per request | GiB per request "
+        "| tokens per GiB | pool at 27.72 GiB (vLLM) | max concurrency | planner agrees |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for case in profile_pool_cases():
+        outcome = real.run(case, True)
+        predicted = case.plan(True)
+        if not outcome.ok or not predicted.ok:
+            lines.append(f"| {case.name} | {case.drafter_label or '-'} | {case.num_speculative_tokens} | "
+                         f"{'on' if case.enable_prefix_caching else 'off'} | fails ({outcome.stage}) | | | | | | "
+                         f"{'yes' if predicted.ok == outcome.ok else 'NO'} |")  # fmt: skip
+            continue
+        pool = kv_page_plan.kv_pool(predicted, case.kv_cache_bytes, case.max_model_len)
+        agrees = (pool.num_blocks, pool.tokens) == (outcome.num_blocks, outcome.kv_tokens)
+        groups = ", ".join(f"{g['groups']} {g['names'][0].split()[0]}" for g in predicted.kv_groups)
+        lines.append(
+            f"| {case.name} | {case.drafter_label or '-'} | {case.num_speculative_tokens} | "
+            f"{'on' if case.enable_prefix_caching else 'off'} | {groups} ({predicted.kv_group_size}) | "
+            f"{pool.blocks_per_request} | {pool.bytes_per_request / (1 << 30):.2f} | "
+            f"{pool.tokens * (1 << 30) / case.kv_cache_bytes:,.0f} | {outcome.kv_tokens:,} | "
+            f"{outcome.max_concurrency:.2f}x | {'yes' if agrees else 'NO'} |"
+        )
+    cases = {(case.name, case.drafter_label): case for case in profile_pool_cases()}
+    conc8 = cases["dflash-conc8", "dflash 6c7242c"]
+    pool = kv_page_plan.kv_pool(conc8.plan(True), conc8.kv_cache_bytes, conc8.max_model_len)
+    tokens, concurrency = GB10_LOG_POOL
+    same = (pool.tokens, round(pool.max_concurrency, 2)) == GB10_LOG_POOL
+    # the reference's dflash/dense pools were measured with prefix caching off
+    dflash = dataclasses.replace(cases["dflash", "dflash 6c7242c"], enable_prefix_caching=False)
+    per_request = kv_page_plan.kv_pool(dflash.plan(True), dflash.kv_cache_bytes, dflash.max_model_len)
+    context = dflash.max_model_len
+    reachable = {
+        reported: [
+            blocks for blocks in range(1, 4096) if int(blocks / per_request.blocks_per_request * context) == reported
+        ]
+        for reported in REFERENCE_POOLS
+    }
+    lines += [
+        "",
+        f"The GB10 log's own figures for the conc-8 run are {tokens:,} tokens and {concurrency}x; the planner"
+        f" gives {pool.tokens:,} tokens and {pool.max_concurrency:.2f}x ({'the same' if same else 'NOT the same'};"
+        " that run was vLLM 0.23.1 nightly). The reference's later dflash and dense pools ("
+        + " and ".join(f"{reported:,}" for reported in REFERENCE_POOLS)
+        + " tokens at 0.82, n=12, prefix caching off, from its authors' own 0.23.0 build) "
+        + (
+            "are whole numbers of blocks under this accounting"
+            if all(reachable.values())
+            else f"are not a whole number of blocks under 0.23.0's accounting ({per_request.blocks_per_request} blocks"
+            " per request): that build groups the layers otherwise"
+        )
+        + ". What the pool is on a host, vLLM logs at every start.",
+        "",
+    ]
+    return lines
+
+
 def render_document(
-    reference: list[dict[str, Any]], grid: list[dict[str, Any]], seconds: float, prefix: list[str] | None = None
+    reference: list[dict[str, Any]],
+    grid: list[dict[str, Any]],
+    seconds: float,
+    prefix: list[str] | None = None,
+    pools: list[str] | None = None,
 ) -> str:
     import vllm
 
@@ -1313,6 +1507,7 @@ def render_document(
         "  `test_a_padded_attention_page_with_a_smaller_kernel_block_mis_strides`).",
         "",
         *(prefix or []),
+        *(pools or []),
         "## The planner",
         "",
         "`sparkfleet kv-plan` answers the same question from the two config.json files, with neither",
@@ -1322,7 +1517,8 @@ def render_document(
         "```",
         "python -m sparkfleet kv-plan --target-config MODEL_DIR --drafter-config DRAFTER_DIR \\",
         "    --num-speculative-tokens 12 [--stock] [--json] [--kv-cache-dtype fp8] [--platform cpu] \\",
-        "    [--enable-prefix-caching] [--max-model-len 262144] [--max-num-batched-tokens 8192 --max-num-seqs 3]",
+        "    [--enable-prefix-caching] [--max-model-len 262144] [--max-num-batched-tokens 8192 --max-num-seqs 3] \\",
+        "    [--kv-cache-gib 27.72]   # also the pool: tokens and max concurrency at --max-model-len",
         "```",
         "",
         "From Python (the Ansible side): `sparkfleet.kv_page_plan.plan(target_config, drafter_config,",
@@ -1330,7 +1526,9 @@ def render_document(
         "(one line naming the drafter and why), `.attention_block_size`, `.drafter_block_size`,",
         "`.page_size_bytes`, `.padding_pct`, `.kernel_block_sizes`, `.scheduler_block_size`,",
         "`.hash_block_size`, `.step_token_budget` and `.failure_stage`; `serving_options(serve_args)` reads",
-        "a profile's serve args into its keywords (the deploy's KV check and `make pin` use it).",
+        "a profile's serve args into its keywords (the deploy's KV check and `make pin` use it);",
+        "`kv_pool(plan, kv_cache_bytes, max_model_len)` returns the pool as vLLM logs it (`.tokens`,",
+        "`.max_concurrency`, `.num_blocks`, `.blocks_per_request`).",
         "",
     ]
     return "\n".join(lines)
@@ -1348,7 +1546,8 @@ def main(argv: list[str] | None = None) -> int:
         reference = evaluate(real, reference_cases())
         grid = evaluate(real, grid_cases())
         prefix = prefix_caching_section(real)
-    document = render_document(reference, grid, time.monotonic() - start, prefix)
+        pools = profile_pool_section(real)
+    document = render_document(reference, grid, time.monotonic() - start, prefix, pools)
     if args.write:
         args.write.write_text(document)
         print(f"wrote {args.write} ({len(reference) + len(grid)} runs)")
