@@ -30,6 +30,7 @@ A server without prefix caching answers both twins cold: the ratio is then about
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import statistics
@@ -174,6 +175,8 @@ def run_prefix_bench(
                     "cache_hits_warm": warm.cache_hits,
                     "cache_queries_warm": warm.cache_queries,
                     "greedy_identical": cold.completion.text == warm.completion.text,
+                    # what the warm turn answered, comparable across runs (prefix caching on and off)
+                    "answer_sha256": hashlib.sha256(warm.completion.text.encode("utf-8")).hexdigest(),
                 }
                 turns.append(turn)
                 if progress:

@@ -24,7 +24,7 @@ from tests.integration.conftest import ROOT, run_playbook
 # runs against the fleet after one real deploy (tests/integration/conftest.py: converged_fleet)
 pytestmark = [pytest.mark.sandbox, pytest.mark.usefixtures("converged_fleet")]
 
-METHODS = ["decode", "e2e", "serving"]
+METHODS = ["decode", "e2e", "serving", "prefix"]
 # The tiny models stop after a few tokens and have a 512-token context: generate past EOS, and leave out
 # the ~740-token agent prompts. The comparison is recorded but does not fail the test: baselines are
 # checked by tests/unit/test_serve_bench_roles.py, and this machine's load moves the sandbox's figures.
@@ -129,6 +129,13 @@ def test_bench_playbook_quick_on_one_host(sandbox_hosts: list[str], sandbox_flee
     # acceptance read from /metrics: 1.0 would mean no draft token was ever accepted
     assert results["e2e"]["figures"]["acceptance_length"] > 1.0, results["e2e"]["figures"]
     assert "honesty: client TPOT vs server /metrics: median per-request difference" in run.output
+
+    # prefix caching on (the dflash profile): warm turns find the conversation so far in the cache, cold
+    # twins find nothing, and every warm answer is its cold twin's
+    prefix = results["prefix"]["figures"]
+    assert prefix["prefix_cache_hits_warm"] > 0 and prefix["prefix_cache_hits_cold"] == 0, prefix
+    assert prefix["prefix_greedy_mismatches"] == 0, results["prefix"]["details"]["turns"]
+    assert "prefix caching: warm-prefix TTFT / cold" in run.output
 
     # latest.json on the host is the run's last result; the service kept running, untouched
     latest = json.loads(sandbox_fleet.ssh(host, "cat /var/lib/sparkfleet/bench/latest.json").stdout)

@@ -156,6 +156,49 @@ def test_a_deploy_refused_by_preflight_rolls_nothing_back_and_restarts_nothing(c
     assert unit_sha(sandbox_fleet, host, DFLASH) == unit_before
 
 
+def bench_prefix(inventory: str, host: str, tmp_path: Path) -> dict:
+    """`make bench`'s prefix method (quick) on one host; the result it fetched."""
+    results_dir = ROOT / "results" / host
+    before = set(results_dir.glob("*-prefix.json")) if results_dir.is_dir() else set()
+    extra = tmp_path / f"prefix-{len(before)}.json"
+    extra.write_text(json.dumps({"serve_bench_methods": ["prefix"], "serve_bench_fail_on_regression": False}))
+    run = run_playbook("-i", inventory, "playbooks/bench.yml", "--limit", host, "-e", f"@{extra}", timeout=600)
+    assert run.returncode == 0, run.output[-4000:]
+    (new,) = sorted(set(results_dir.glob("*-prefix.json")) - before)
+    return json.loads(new.read_text())
+
+
+def test_prefix_caching_on_and_off_answer_alike(converged_fleet, sandbox_fleet, inventory_with_host_vars, tmp_path):  # noqa: ANN001
+    """Issue 14: the dflash profile serves with prefix caching on. The multi-turn agent benchmark on a host,
+    then on the same host redeployed with it off: with it on, warm turns take their prefix from the cache
+    and start sooner than their cold twins; with it off nothing is cached; the answers of every turn are
+    the same both ways (greedy), and so is the acceptance."""
+    host = sandbox_fleet.names[1]
+    on = bench_prefix("inventory/sandbox", host, tmp_path)
+    inv = inventory_with_host_vars(host, {"sparkfleet_serve_args_host": {"enable-prefix-caching": False}})
+    redeploy = run_playbook("-i", inv, "site.yml", "--limit", host, "-e", "sparkfleet_profile=dflash")
+    assert redeploy.returncode == 0, redeploy.output[-4000:]
+    assert "--no-enable-prefix-caching" in sandbox_fleet.ssh(host, f"systemctl cat {DFLASH}").stdout
+    try:
+        off = bench_prefix(inv, host, tmp_path)
+    finally:
+        restore = run_playbook("site.yml", "--limit", host, "-e", "sparkfleet_profile=dflash")
+        assert restore.returncode == 0, restore.output[-4000:]
+    assert "--enable-prefix-caching" in sandbox_fleet.ssh(host, f"systemctl cat {DFLASH}").stdout
+    f_on, f_off = on["figures"], off["figures"]
+    assert f_on["prefix_cache_hits_warm"] > 0 and f_off["prefix_cache_hits_warm"] == 0, (f_on, f_off)
+    assert f_on["prefix_greedy_mismatches"] == f_off["prefix_greedy_mismatches"] == 0
+    answers = {
+        run: [t["answer_sha256"] for t in result["details"]["turns"]] for run, result in (("on", on), ("off", off))
+    }
+    assert answers["on"] == answers["off"], "prefix caching changed a greedy answer"
+    # the same tokens drafted and verified: acceptance within noise
+    assert f_on["acceptance_length_warm"] == pytest.approx(f_off["acceptance_length_warm"], rel=0.1)
+    # the prefix the cache holds is prefill the warm turns skip
+    assert f_on["prefix_ttft_warm_over_cold"] < 1.0, f_on
+    assert f_on["prefix_ttft_warm_over_cold"] < f_off["prefix_ttft_warm_over_cold"], (f_on, f_off)
+
+
 def measure_quick_baselines(host: str, tmp_path: Path) -> dict[str, float]:
     """The dflash profile's quick acceptance figures measured now on `host` (what `make bench QUICK=1`
     records). They are set by the CPU's numerics: the inventory's baselines hold on the machine they
