@@ -56,8 +56,31 @@ never set ``LB`` and are never re-scored.
 So the returned logits' argmax (first index on ties) equals the argmax of ``R(z)``. The one residue:
 the candidates' exact logits are summed in fp32 in a different order than cuBLAS; if cuBLAS's own
 fp32 rounding error pushes a value across a bf16 rounding boundary *and* that creates or breaks a tie
-at the top, the two paths can disagree (the reference itself is then order-dependent). There is no
-fixed candidate cap: a row with many near-ties recomputes more rows (slower, still exact).
+at the top, the two paths can disagree (the reference itself is then order-dependent).
+
+Flat logits: a bounded cost
+---------------------------
+A row with many near-ties (an all-zero hidden state ties every logit) would make the re-scoring
+recompute thousands of rows, each once per token: up to 17x the bf16 GEMM. Two kernels around the
+others bound that:
+
+* before the int8 kernel, a probe (``_probe_kernel``, ``_probe_decide_kernel``) computes the exact
+  logit of every ``PROBE_STRIDE``-th row; its maximum minus its fp32 summation bound is a second lower
+  bound ``LB0`` of the row's maximum (the re-scoring kernel takes the larger), and a token for which
+  ``FLAT_SAMPLE_SHARE`` of the sampled rows could be candidates (exact logit plus twice its int8 bound
+  reaches ``LB0``), or ``DENSE_SAMPLE_SHARE`` within half a bound of it (a tied top), is flat. A
+  batch with a flat token skips the int8 and re-scoring kernels (each reads the flags and returns)
+  and ``_bf16_blocks_kernel`` computes every logit from the bf16 weight in fp32 (R(z) up to fp32
+  summation order, as the GEMM);
+* a re-scoring program re-scores at most ``RESCORE_ROW_BUDGET`` candidate rows; the candidate blocks
+  it cannot afford are marked, and ``_bf16_blocks_kernel`` recomputes them whole for every token of
+  the batch (every one of their rows exact, which keeps the argument above: exact values are
+  always allowed).
+
+The probe decides on the device at every call (a CUDA graph replays the decision, not its outcome).
+Its cost on non-flat logits is one small read (the sampled rows) and two kernel launches; an input
+whose near-ties avoid every sampled row (a weight built for it) is still exact, at the cost of the
+int8 pass plus the bf16 recomputation of its candidate blocks.
 
 Non-greedy sampling
 -------------------
@@ -116,6 +139,26 @@ RESCORE_MAXNREG = 0
 TRACE_FIELDS = 10
 # Launch the re-scoring kernel with programmatic dependent launch where the device has it (sm_90+).
 USE_PDL = True
+# The flatness probe: the exact logit of every PROBE_STRIDE-th row (one per 128-row block on the
+# 122B's vocab: 1,940 rows, 12 MB of the bf16 weight) before the int8 kernel. A batch in which some
+# token has at least FLAT_SAMPLE_SHARE of the sampled rows (and FLAT_MIN_SAMPLES) within reach of the
+# sample's maximum has so many near-ties that re-scoring them would cost more than the bf16 GEMM: the
+# int8 and re-scoring kernels then do nothing and the bf16 kernel computes every logit exactly.
+PROBE_STRIDE = 128
+PROBE_ROWS = 16  # sampled rows per probe program (tl.dot needs >= 16)
+FLAT_SAMPLE_SHARE = 1 / 8
+# ... or at least DENSE_SAMPLE_SHARE of them within half a bound of it (a tied top; random logits on the
+# H200 bench reach 1/64 within two bounds, far fewer within half a bound).
+DENSE_SAMPLE_SHARE = 1 / 160
+FLAT_MIN_SAMPLES = 8
+# Candidate rows one re-scoring program re-scores at most; candidate blocks beyond that budget are
+# recomputed whole, from the bf16 weight, by the bf16 kernel (one streaming read for every token of the
+# batch, where re-scoring reads a row once per token). Bounds the re-scoring kernel's time.
+RESCORE_ROW_BUDGET = 128
+# Programs per SM of the bf16 kernel (persistent: with nothing to recompute, every program returns at once).
+BF16_PROGRAMS_PER_SM = 2
+# Batch entries the flat flags are read as (every kernel reads the flags of all tokens: one masked load).
+FLAG_SLOTS = 64
 # fp32 accumulation unit roundoff used in the error bound: 2**-23 instead of 2**-24, so the bound
 # also holds for accumulators that truncate (tensor cores). The bound charges it to every one of the
 # K additions; tensor cores that align a group of 8..16 products to the largest exponent lose at most
@@ -152,6 +195,11 @@ KERNEL_CONFIGS: dict[int, KernelConfig] = {
     32: KernelConfig(128, 32, 128, num_warps=4, num_stages=3, convert=0, w_is_a=0, tiled=1, evict_first=1),
     64: KernelConfig(128, 64, 128, num_warps=4, num_stages=3, convert=0, w_is_a=0, tiled=1, evict_first=1),
 }
+
+
+# The bf16 kernel (exact logits of a flat batch or of spilled blocks): the int8 kernel's tile walk on the
+# bf16 weight, row-major (block_v is the int8 config's, so a spilled block is the same rows).
+BF16_KERNEL_CONFIG = KernelConfig(128, 16, 64, num_warps=4, num_stages=3, convert=0, w_is_a=0, evict_first=1)
 
 
 def int8_lmhead_enabled(environ: dict[str, str] | None = None) -> bool:
@@ -419,6 +467,7 @@ if triton is not None:
         TILED: tl.constexpr,
         EVICT_FIRST: tl.constexpr,
         WITH_BOUNDS: tl.constexpr,
+        UNSCALED: tl.constexpr = False,  # q_ptr is the bf16 weight itself: no per-row scale (the bf16 kernel)
     ):
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -442,7 +491,8 @@ if triton is not None:
         # lines, and every program hitting the same few L2 lines slowed batch 1 (H200 explore logs).
         x_mask = mask_b[:, None]
         # The epilogue's per-row inputs are loaded before the K loop, which hides their latency.
-        scale = tl.load(scale_ptr + rows)
+        if not UNSCALED:
+            scale = tl.load(scale_ptr + rows)
         if HAS_BIAS:
             bias = tl.load(bias_ptr + rows).to(tl.float32)
         if W_IS_A:
@@ -503,7 +553,10 @@ if triton is not None:
             x_ptrs += BLOCK_K
         if not W_IS_A:
             acc = tl.trans(acc)
-        z = acc * scale[:, None]
+        if UNSCALED:  # noqa: SIM108 - constexpr branches, kept as statements for Triton
+            z = acc
+        else:
+            z = acc * scale[:, None]
         if HAS_BIAS:
             z += bias[:, None]
         out_ptrs = out_ptr + offs_b[None, :].to(tl.int64) * stride_out + offs_v[:, None]
@@ -554,25 +607,209 @@ if triton is not None:
         EVICT_FIRST: tl.constexpr,
         WITH_BOUNDS: tl.constexpr,
         LAUNCH_DEPENDENTS: tl.constexpr,
+        flat_ptr=None,  # [B] int32 from the probe: a batch with a flat token leaves every logit to the bf16 kernel
+        FLAG_SLOTS: tl.constexpr = 64,
     ):
         if LAUNCH_DEPENDENTS:
             # Programmatic dependent launch: the re-scoring kernel may be scheduled once every program
             # of this grid has started; its programs take the slots the last wave frees, run their
             # prologue and wait (griddepcontrol.wait) for this grid's results.
             _gdc_launch_dependents()
+        run = True
+        if flat_ptr is not None:
+            slots = tl.arange(0, FLAG_SLOTS)
+            run = tl.max(tl.load(flat_ptr + slots, mask=slots < num_tokens, other=0), axis=0) == 0
+        if run:
+            pid_b = tl.program_id(1)
+            if PERSISTENT:
+                # A fixed grid of programs walks the vocab blocks (no partial last wave of blocks).
+                for pid_v in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
+                    _int8_logits_tile(pid_v, pid_b, x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, block_key_ptr,
+                                      num_tokens, num_rows, num_valid_rows, hidden, stride_x, stride_q, stride_out,
+                                      stride_block, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A, EVEN_K,
+                                      BF16_RN_BY_BITS, TILED, EVICT_FIRST, WITH_BOUNDS)  # fmt: skip
+            else:
+                _int8_logits_tile(tl.program_id(0), pid_b, x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr,
+                                  block_key_ptr, num_tokens, num_rows, num_valid_rows, hidden, stride_x, stride_q,
+                                  stride_out, stride_block, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A,
+                                  EVEN_K, BF16_RN_BY_BITS, TILED, EVICT_FIRST, WITH_BOUNDS)  # fmt: skip
+
+    @triton.jit
+    def _probe_kernel(
+        x_ptr,  # [B, K]
+        w_ptr,  # [V, K] the bf16 weight
+        bias_ptr,
+        z_ptr,  # [B, S] fp32 out: the exact logit of each sampled row (-inf for padding rows)
+        lb_ptr,  # [B, S] fp32 out: a proven lower bound of it (its fp32 summation error taken off)
+        num_tokens,
+        num_valid_rows,
+        num_samples,
+        hidden,
+        stride_x,
+        stride_w,
+        stride_probe,
+        exact_err_coef,
+        HAS_BIAS: tl.constexpr,
+        STRIDE: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        FP32_DOT: tl.constexpr,
+    ):
+        """The flatness probe, part 1: exact logits of every STRIDE-th row (ROWS sampled rows x BLOCK_B tokens)."""
+        offs_s = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rows = offs_s * STRIDE
+        valid = (offs_s < num_samples) & (rows < num_valid_rows)
+        safe_rows = tl.where(valid, rows, 0)
+        offs_b = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+        mask_b = offs_b < num_tokens
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_B, ROWS], dtype=tl.float32)
+        acc_abs = tl.zeros([BLOCK_B, ROWS], dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            kk = k0 + offs_k
+            mask_k = kk < hidden
+            w = tl.load(
+                w_ptr + safe_rows[:, None].to(tl.int64) * stride_w + kk[None, :],
+                mask=valid[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            xt = tl.load(
+                x_ptr + offs_b[:, None].to(tl.int64) * stride_x + kk[None, :],
+                mask=mask_b[:, None] & mask_k[None, :],
+                other=0.0,
+            )
+            if FP32_DOT:  # the interpreter's bf16 dot is wrong; the products are exact either way
+                w = w.to(tl.float32)
+                xt = xt.to(tl.float32)
+            else:
+                w = w.to(xt.dtype)
+            acc = tl.dot(xt, tl.trans(w), acc, input_precision="ieee")
+            acc_abs = tl.dot(tl.abs(xt), tl.trans(tl.abs(w)), acc_abs, input_precision="ieee")
+        z = acc
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + safe_rows, mask=valid, other=0.0).to(tl.float32)
+            z += bias[None, :]
+            acc_abs += tl.abs(bias)[None, :]
+        lower = z - acc_abs * exact_err_coef
+        ok = valid[None, :] & mask_b[:, None]
+        at = offs_b[:, None].to(tl.int64) * stride_probe + offs_s[None, :]
+        store = mask_b[:, None] & (offs_s < num_samples)[None, :]
+        tl.store(z_ptr + at, tl.where(ok, z, -float("inf")), mask=store)
+        tl.store(lb_ptr + at, tl.where(ok, lower, -float("inf")), mask=store)
+
+    @triton.jit
+    def _probe_decide_kernel(
+        x_ptr,
+        z_ptr,
+        lb_ptr,
+        scale_ptr,
+        err_max_ptr,
+        err_l2_ptr,
+        lb0_ptr,  # [B] fp32 out: the sample's lower bound of the token's maximum logit
+        flat_ptr,  # [B] int32 out: 1 when the token's logits are flat (see FLAT_SAMPLE_SHARE)
+        near_ptr,  # [B] int32 out: the sampled rows within reach of the maximum (the count judged)
+        num_valid_rows,
+        num_samples,
+        hidden,
+        stride_x,
+        stride_probe,
+        acc_err_coef,
+        slack,
+        rel_margin,
+        abs_margin,
+        flat_count,
+        dense_count,
+        STRIDE: tl.constexpr,
+        S_POW2: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NUM_KC: tl.constexpr,
+    ):
+        """The flatness probe, part 2, one program per token: the sample's lower bound LB0 of the maximum,
+        and how many sampled rows could be re-scoring candidates (their exact logit plus twice their
+        int8 bound reaches LB0). That count stands for STRIDE rows each."""
+        tok = tl.program_id(0)
+        offs_k = tl.arange(0, BLOCK_K)
+        x_row = x_ptr + tok.to(tl.int64) * stride_x
+        l1 = tl.zeros([BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for c in tl.static_range(NUM_KC):
+            kk = c * BLOCK_K + offs_k
+            xv = tl.load(x_row + kk, mask=kk < hidden, other=0.0).to(tl.float32)
+            l1 += tl.abs(xv)
+            sq += xv * xv
+        x_l1 = tl.sum(l1, axis=0) * slack
+        x_l2 = tl.sqrt(tl.sum(sq, axis=0)) * slack
+        offs = tl.arange(0, S_POW2)
+        in_range = offs < num_samples
+        rows = offs * STRIDE
+        valid = in_range & (rows < num_valid_rows)
+        safe_rows = tl.where(valid, rows, 0)
+        row_at = tok.to(tl.int64) * stride_probe + offs
+        lb0 = tl.max(tl.load(lb_ptr + row_at, mask=in_range, other=-float("inf")), axis=0)
+        z = tl.load(z_ptr + row_at, mask=valid, other=0.0)
+        scale = tl.load(scale_ptr + safe_rows, mask=valid, other=0.0)
+        delta = tl.minimum(
+            tl.load(err_max_ptr + safe_rows, mask=valid, other=0.0) * x_l1,
+            tl.load(err_l2_ptr + safe_rows, mask=valid, other=0.0) * x_l2,
+        )
+        delta = (delta + acc_err_coef * scale * x_l1 + tl.abs(z) * 4.0e-7) * slack
+        threshold = lb0 - (tl.abs(lb0) * rel_margin + abs_margin)
+        reach = z + tl.abs(z) * rel_margin + abs_margin
+        near = valid & (reach + 2.0 * delta >= threshold)
+        count = tl.sum(near.to(tl.int32), axis=0)
+        # A tied top: many sampled rows within half a bound of the maximum. Random logits keep the top of
+        # a sample sparse (its rows a fraction of the spread apart); a tie shows every tied row the sample
+        # holds, and such a top is what makes re-scoring expensive at every batch size.
+        dense = tl.sum((valid & (reach + 0.5 * delta >= threshold)).to(tl.int32), axis=0)
+        tl.store(lb0_ptr + tok, lb0)
+        tl.store(flat_ptr + tok, ((count >= flat_count) | (dense >= dense_count)).to(tl.int32))
+        tl.store(near_ptr + tok, count)
+
+    @triton.jit
+    def _bf16_blocks_kernel(
+        x_ptr,
+        w_ptr,  # [V, K] the bf16 weight
+        bias_ptr,
+        out_ptr,
+        flat_ptr,  # [B] int32: any token flat -> every block
+        spill_ptr,  # [B, NB] int8: blocks the re-scoring kernel left to this kernel (beyond its row budget)
+        num_tokens,
+        num_rows,
+        num_blocks,
+        hidden,
+        stride_x,
+        stride_w,
+        stride_out,
+        stride_spill,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        CONVERT: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        BF16_RN_BY_BITS: tl.constexpr,
+        EVICT_FIRST: tl.constexpr,
+        FLAG_SLOTS: tl.constexpr,
+    ):
+        """Exact logits (bf16 weight, fp32 accumulation) of the blocks that need them: all of them for a flat
+        batch, else the blocks the re-scoring kernel spilled. A persistent grid: with nothing to do, every
+        program returns after one load of the flags."""
+        slots = tl.arange(0, FLAG_SLOTS)
+        flat = tl.max(tl.load(flat_ptr + slots, mask=slots < num_tokens, other=0), axis=0)
         pid_b = tl.program_id(1)
-        if PERSISTENT:
-            # A fixed grid of programs walks the vocab blocks (no partial last wave of blocks).
-            for pid_v in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
-                _int8_logits_tile(pid_v, pid_b, x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, block_key_ptr,
-                                  num_tokens, num_rows, num_valid_rows, hidden, stride_x, stride_q, stride_out,
-                                  stride_block, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A, EVEN_K,
-                                  BF16_RN_BY_BITS, TILED, EVICT_FIRST, WITH_BOUNDS)  # fmt: skip
-        else:
-            _int8_logits_tile(tl.program_id(0), pid_b, x_ptr, q_ptr, scale_ptr, bias_ptr, out_ptr, block_key_ptr,
-                              num_tokens, num_rows, num_valid_rows, hidden, stride_x, stride_q, stride_out,
-                              stride_block, HAS_BIAS, BLOCK_V, BLOCK_B, BLOCK_K, CONVERT, W_IS_A, EVEN_K,
-                              BF16_RN_BY_BITS, TILED, EVICT_FIRST, WITH_BOUNDS)  # fmt: skip
+        offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+        mask_b = offs_b < num_tokens
+        for blk in range(tl.program_id(0), num_blocks, tl.num_programs(0)):
+            need = flat
+            if flat == 0:
+                spilled = tl.load(spill_ptr + offs_b.to(tl.int64) * stride_spill + blk, mask=mask_b, other=0)
+                need = tl.max(spilled.to(tl.int32), axis=0)
+            if need != 0:
+                _int8_logits_tile(blk, pid_b, x_ptr, w_ptr, bias_ptr, bias_ptr, out_ptr, flat_ptr, num_tokens,
+                                  num_rows, num_rows, hidden, stride_x, stride_w, stride_out, 0, HAS_BIAS, BLOCK_V,
+                                  BLOCK_B, BLOCK_K, CONVERT, 0, EVEN_K, BF16_RN_BY_BITS, False, EVICT_FIRST, False,
+                                  True)  # fmt: skip
 
     @triton.jit
     def _exact_rescore_kernel(
@@ -611,9 +848,20 @@ if triton is not None:
         NUM_KC: tl.constexpr,  # cdiv(hidden, BLOCK_K): hidden-dimension chunks, unrolled
         WAIT_PRIMARY: tl.constexpr,
         TRACE: tl.constexpr,  # record per-program timestamps (exploration only; see TRACE_FIELDS)
+        flat_ptr=None,  # [B] int32 from the probe: a flat batch is the bf16 kernel's, nothing to do here
+        lb0_ptr=None,  # [B] fp32 from the probe: the sample's lower bound of each token's maximum
+        spill_ptr=None,  # [B, NB] int8 out: 1 for the owned candidate blocks beyond the row budget
+        num_tokens=1,
+        stride_spill=0,
+        ROW_BUDGET: tl.constexpr = 1 << 30,  # candidate rows a program re-scores at most
+        FLAG_SLOTS: tl.constexpr = 64,
     ):
         tok = tl.program_id(0)
         part = tl.program_id(1)
+        run = 1  # 0: a flat batch, every logit is the bf16 kernel's
+        if flat_ptr is not None:
+            slots = tl.arange(0, FLAG_SLOTS)
+            run = (tl.max(tl.load(flat_ptr + slots, mask=slots < num_tokens, other=0), axis=0) == 0).to(tl.int32)
         if TRACE:
             trace_gt_start = _trace_globaltimer()
             trace_c_start = _trace_clock()
@@ -679,6 +927,8 @@ if triton is not None:
             best_abs += tl.abs(best_bias)
         # fp32 sum of exact products: error <= gamma * sum |products| (exact_err_coef = gamma * slack).
         lower_bound = best_exact - best_abs * exact_err_coef
+        if lb0_ptr is not None:  # the probe's sampled rows bound the maximum from below too: take the higher
+            lower_bound = tl.maximum(lower_bound, tl.load(lb0_ptr + tok))
         threshold = lower_bound - (tl.abs(lower_bound) * rel_margin + abs_margin)
         if TRACE:
             trace_c_threshold = _trace_clock()
@@ -696,9 +946,12 @@ if triton is not None:
         offs_s = tl.arange(0, SLOTS)
         out_row = out_ptr + tok.to(tl.int64) * stride_out
         rows_rescored = 0
+        budget = ROW_BUDGET
+        spilled = tl.zeros([OWN_POW2], dtype=tl.int32)
         # The owned candidate blocks, GROUP at a time (one round of loads for their rows' bounds), then
-        # their candidate rows SLOTS at a time.
-        for r0 in range(0, count, GROUP):
+        # their candidate rows SLOTS at a time while the row budget lasts; a group that does not fit is
+        # left whole to the bf16 kernel (spilled), and so is every group after it.
+        for r0 in range(0, count * run, GROUP):
             my_rank = r0 + offs_g
             blocks = tl.sum(
                 tl.where(is_candidate[None, :] & (rank[None, :] == my_rank[:, None]), own[None, :], 0), axis=1
@@ -719,6 +972,11 @@ if triton is not None:
             upper = approx + tl.abs(approx) * rel_margin + abs_margin + delta
             is_token = (upper >= threshold) & mask_r
             num_here = tl.sum(is_token.to(tl.int32), axis=0)
+            fits = num_here <= budget
+            in_group = is_candidate & (rank >= r0) & (rank < r0 + GROUP)
+            spilled = tl.where(in_group & (num_here > budget), 1, spilled)
+            budget = tl.where(fits, budget - num_here, 0)
+            num_here = tl.where(fits, num_here, 0)
             rows_rescored += num_here
             token_rank = tl.cumsum(is_token.to(tl.int32), axis=0) - 1
             for t0 in range(0, num_here, SLOTS):
@@ -739,6 +997,8 @@ if triton is not None:
                 if HAS_BIAS:
                     exact += tl.load(bias_ptr + slot_row, mask=slot_ok, other=0.0).to(tl.float32)
                 tl.store(out_row + slot_row, _to_output_dtype(exact, out_ptr, BF16_RN_BY_BITS), mask=slot_ok)
+        if spill_ptr is not None:  # every owned block, every call: no stale mark survives into the next
+            tl.store(spill_ptr + tok.to(tl.int64) * stride_spill + own, spilled.to(tl.int8), mask=mask_own)
         if TRACE:
             trace_c_end = _trace_clock()
             trace_gt_end = _trace_globaltimer()
@@ -786,6 +1046,11 @@ def int8_lm_head_logits(
     config: KernelConfig | None = None,
     rescore_programs_per_row: int | None = None,
     trace: list | None = None,
+    probe_stride: int = PROBE_STRIDE,
+    flat_sample_share: float = FLAT_SAMPLE_SHARE,
+    dense_sample_share: float = DENSE_SAMPLE_SHARE,
+    rescore_row_budget: int = RESCORE_ROW_BUDGET,
+    stats: dict | None = None,
 ) -> torch.Tensor:
     """Logits ``x @ weight.T (+ bias)`` of ``x`` [B, K] through the int8 copy, shape [B, V], dtype of x.
 
@@ -795,6 +1060,10 @@ def int8_lm_head_logits(
     ``rescore_programs_per_row``: programs per token of the re-scoring kernel (default: from
     ``RESCORE_PROGRAMS``; for tuning). ``trace`` (exploration, CUDA only): a list that receives the
     re-scoring kernel's per-program record, [B, programs per token, TRACE_FIELDS] int64.
+    ``probe_stride``, ``flat_sample_share`` and ``rescore_row_budget``: the flatness probe's sampling and
+    threshold and the re-scoring kernel's row budget (module constants by default; for tests).
+    ``stats`` (tests, benchmark): a dict that receives the probe's per-token flat flags and the spilled
+    blocks, as tensors (reading them synchronizes).
     """
     if triton is None:
         raise RuntimeError("int8 lm head needs triton, which is not installed")
@@ -852,6 +1121,11 @@ def int8_lm_head_logits(
     persistent = cfg.programs_per_sm > 0 and not on_cpu
     grid_v = min(num_blocks, _persistent_programs(x.device, cfg.programs_per_sm)) if persistent else num_blocks
     use_pdl = exact_argmax and pdl_supported(x.device)
+    probe = None
+    if exact_argmax:
+        probe = _run_probe(
+            x, packed, weight, bias, valid_rows, hidden, probe_stride, flat_sample_share, on_cpu, dense_sample_share
+        )
     _int8_logits_kernel[(grid_v, triton.cdiv(num_tokens, cfg.block_b))](
         x,
         packed.qweight,
@@ -881,6 +1155,8 @@ def int8_lm_head_logits(
         EVICT_FIRST=bool(cfg.evict_first) and not on_cpu,
         WITH_BOUNDS=exact_argmax,
         LAUNCH_DEPENDENTS=use_pdl,
+        flat_ptr=probe["flat"] if probe else None,
+        FLAG_SLOTS=FLAG_SLOTS,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -902,6 +1178,7 @@ def int8_lm_head_logits(
         if trace is not None:
             trace_buffer = torch.zeros((num_tokens, programs_per_row, TRACE_FIELDS), dtype=torch.int64, device=x.device)
             trace.append(trace_buffer)
+        spill = torch.empty((num_tokens, num_blocks), dtype=torch.int8, device=x.device)
         _exact_rescore_kernel[(num_tokens, programs_per_row)](
             x,
             weight,
@@ -938,11 +1215,132 @@ def int8_lm_head_logits(
             NUM_KC=triton.cdiv(hidden, rescore_block_k),
             WAIT_PRIMARY=use_pdl,
             TRACE=trace_buffer is not None,
+            flat_ptr=probe["flat"],
+            lb0_ptr=probe["lb0"],
+            spill_ptr=spill,
+            num_tokens=num_tokens,
+            stride_spill=spill.stride(0),
+            ROW_BUDGET=rescore_row_budget,
+            FLAG_SLOTS=FLAG_SLOTS,
             num_warps=4 if on_cpu else RESCORE_NUM_WARPS,
             **launch_options,
             **({"maxnreg": RESCORE_MAXNREG} if RESCORE_MAXNREG and not on_cpu else {}),
         )
+        # The exact logits of a flat batch, or of the blocks the re-scoring kernel spilled: one streaming
+        # read of the bf16 weight's rows for every token of the batch (a persistent grid that returns at
+        # once when there is nothing to do).
+        bf16 = BF16_KERNEL_CONFIG
+        programs = 4 if on_cpu else _persistent_programs(x.device, BF16_PROGRAMS_PER_SM)
+        _bf16_blocks_kernel[(min(num_blocks, programs), triton.cdiv(num_tokens, bf16.block_b))](
+            x,
+            weight,
+            bias_arg,
+            out,
+            probe["flat"],
+            spill,
+            num_tokens,
+            num_rows,
+            num_blocks,
+            hidden,
+            x.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            spill.stride(0),
+            HAS_BIAS=has_bias,
+            BLOCK_V=cfg.block_v,
+            BLOCK_B=bf16.block_b,
+            BLOCK_K=bf16.block_k,
+            CONVERT=2 if on_cpu else 0,
+            EVEN_K=hidden % bf16.block_k == 0,
+            BF16_RN_BY_BITS=round_by_bits,
+            EVICT_FIRST=bool(bf16.evict_first) and not on_cpu,
+            FLAG_SLOTS=FLAG_SLOTS,
+            num_warps=bf16.num_warps,
+            num_stages=bf16.num_stages,
+        )
+        if stats is not None:
+            stats.update(flat=probe["flat"].clone(), near=probe["near"].clone(), spilled=spill.clone())
     return out
+
+
+def _run_probe(
+    x: torch.Tensor,
+    packed: Int8LMHeadWeight,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    valid_rows: int,
+    hidden: int,
+    stride: int,
+    flat_sample_share: float,
+    on_cpu: bool,
+    dense_sample_share: float = DENSE_SAMPLE_SHARE,
+) -> dict[str, torch.Tensor]:
+    """The flatness probe (two small kernels): per token, LB0 (a lower bound of the maximum logit from
+    the exact logits of every ``stride``-th row) and whether the logits are flat (module docstring)."""
+    num_tokens = x.shape[0]
+    num_samples = triton.cdiv(valid_rows, stride)
+    if num_tokens > FLAG_SLOTS:
+        raise ValueError(f"int8 lm head batch of {num_tokens} tokens exceeds the probe's {FLAG_SLOTS} flag slots")
+    z = torch.empty((num_tokens, num_samples), dtype=torch.float32, device=x.device)
+    lower = torch.empty_like(z)
+    lb0 = torch.empty(num_tokens, dtype=torch.float32, device=x.device)
+    flat = torch.empty(num_tokens, dtype=torch.int32, device=x.device)
+    near = torch.empty_like(flat)
+    block_k = min(512, triton.next_power_of_2(hidden))
+    _probe_kernel[(triton.cdiv(num_samples, PROBE_ROWS), triton.cdiv(num_tokens, 16))](
+        x,
+        weight,
+        bias if bias is not None else packed.scale,
+        z,
+        lower,
+        num_tokens,
+        valid_rows,
+        num_samples,
+        hidden,
+        x.stride(0),
+        weight.stride(0),
+        z.stride(0),
+        exact_sum_error_coefficient(hidden) * norm_slack(hidden),
+        HAS_BIAS=bias is not None,
+        STRIDE=stride,
+        ROWS=PROBE_ROWS,
+        BLOCK_B=16,
+        BLOCK_K=block_k,
+        FP32_DOT=on_cpu,
+        num_warps=4,
+        num_stages=3,
+    )
+    rel_margin, abs_margin = OUTPUT_MARGIN[x.dtype]
+    decide_block_k = min(triton.next_power_of_2(hidden), 1024)
+    flat_count = max(FLAT_MIN_SAMPLES, math.ceil(num_samples * flat_sample_share))
+    _probe_decide_kernel[(num_tokens,)](
+        x,
+        z,
+        lower,
+        packed.scale,
+        packed.err_max,
+        packed.err_l2,
+        lb0,
+        flat,
+        near,
+        valid_rows,
+        num_samples,
+        hidden,
+        x.stride(0),
+        z.stride(0),
+        accumulation_error_coefficient(hidden),
+        norm_slack(hidden),
+        rel_margin,
+        abs_margin,
+        flat_count,
+        max(FLAT_MIN_SAMPLES, math.ceil(num_samples * dense_sample_share)),
+        STRIDE=stride,
+        S_POW2=triton.next_power_of_2(num_samples),
+        BLOCK_K=decide_block_k,
+        NUM_KC=triton.cdiv(hidden, decide_block_k),
+        num_warps=4,
+    )
+    return {"z": z, "lower": lower, "lb0": lb0, "flat": flat, "near": near, "samples": num_samples}
 
 
 LAYER_ATTRIBUTE = "sparkfleet_int8_lm_head"

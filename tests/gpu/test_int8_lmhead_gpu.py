@@ -130,3 +130,99 @@ def test_padding_rows_never_set_the_lower_bound() -> None:
     out = lmhead.int8_lm_head_logits(x, packed, weight, bias, num_valid_rows=org)
     want = (x.double() @ weight[:org].double().T + bias[:org].double()).to(torch.bfloat16).argmax(-1)
     assert out[:, :org].argmax(-1).tolist() == want.tolist()
+
+
+def _stats_call(x, packed, weight, **options):  # noqa: ANN001, ANN003, ANN202
+    stats: dict = {}
+    out = lmhead.int8_lm_head_logits(x, packed, weight, stats=stats, **options)
+    return out, stats
+
+
+@pytest.fixture(scope="module")
+def full_problem():  # noqa: ANN201
+    gen = torch.Generator(device="cuda").manual_seed(77)
+    weight = (torch.randn(FULL_ROWS, FULL_HIDDEN, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    x = torch.randn(16, FULL_HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+    return weight, x, lmhead.quantize_lm_head_weight(weight, tile=lmhead.weight_tile())
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_random_logits_are_not_flat_and_spill_nothing(full_problem, batch: int) -> None:  # noqa: ANN001
+    weight, x, packed = full_problem
+    out, stats = _stats_call(x[:batch], packed, weight)
+    assert stats["flat"].sum().item() == 0 and stats["spilled"].sum().item() == 0
+    assert out.argmax(-1).tolist() == bf16_reference_argmax(x[:batch], weight).tolist()
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_zero_hidden_states_go_to_the_bf16_kernel(full_problem, batch: int) -> None:  # noqa: ANN001
+    """All logits 0: every row ties. The probe flags the batch flat; every logit is the bf16 kernel's."""
+    weight, x, packed = full_problem
+    zero = torch.zeros_like(x[:batch])
+    out, stats = _stats_call(zero, packed, weight)
+    assert stats["flat"].tolist() == [1] * batch
+    assert torch.count_nonzero(out).item() == 0 and out.argmax(-1).tolist() == [0] * batch
+
+
+def test_one_flat_token_sends_its_whole_batch_to_bf16(full_problem) -> None:  # noqa: ANN001
+    weight, x, packed = full_problem
+    mixed = x[:8].clone()
+    mixed[5] = 0
+    out, stats = _stats_call(mixed, packed, weight)
+    assert stats["flat"].tolist() == [0, 0, 0, 0, 0, 1, 0, 0]
+    want = torch.nn.functional.linear(mixed, weight)
+    assert out.argmax(-1).tolist() == want.argmax(-1).tolist()
+    assert torch.equal(out[5], want[5])
+
+
+def test_identical_rows_tie_everywhere_and_the_first_wins() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    row = (torch.randn(1, FULL_HIDDEN, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    weight = row.repeat(FULL_ROWS, 1)
+    x = torch.randn(4, FULL_HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+    packed = lmhead.quantize_lm_head_weight(weight, tile=lmhead.weight_tile())
+    out, stats = _stats_call(x, packed, weight)
+    assert stats["flat"].tolist() == [1] * 4
+    assert out.argmax(-1).tolist() == [0] * 4
+    assert (out == out[:, :1]).all()
+
+
+def test_the_spill_path_is_exact_when_the_probe_sees_nothing() -> None:
+    """Near-identical rows with the probe blinded: the re-scoring kernel re-scores its row budget and
+    leaves the rest of its candidate blocks to the bf16 kernel; the result is exact."""
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    rows, hidden = 40_000 + 3, FULL_HIDDEN
+    base = (torch.randn(hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    weight = base.repeat(rows, 1)
+    cols = torch.randint(0, hidden, (rows,), device="cuda", generator=gen)
+    picked = weight[torch.arange(rows, device="cuda"), cols].float()
+    sign = torch.randint(0, 2, (rows,), device="cuda", generator=gen).float() * 2 - 1
+    weight[torch.arange(rows, device="cuda"), cols] = (picked * (1 + sign * 2.0**-7)).to(torch.bfloat16)
+    x = torch.randn(3, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    packed = lmhead.quantize_lm_head_weight(weight, tile=lmhead.weight_tile())
+    out, stats = _stats_call(x, packed, weight, flat_sample_share=2.0, dense_sample_share=2.0)
+    assert stats["flat"].sum().item() == 0 and stats["spilled"].sum().item() > 0
+    assert out.argmax(-1).tolist() == bf16_reference_argmax(x, weight).tolist()
+
+
+def test_a_graph_replay_decides_again_on_new_data(full_problem) -> None:  # noqa: ANN001
+    """The flat decision is taken on the device at every call: a CUDA graph captured on random hidden
+    states, replayed on all-zero ones, goes to the bf16 kernel, and back."""
+    weight, x, packed = full_problem
+    static = x[:2].clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            lmhead.int8_lm_head_logits(static, packed, weight)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lmhead.int8_lm_head_logits(static, packed, weight)
+    for data in (x[:2], torch.zeros_like(x[:2]), x[2:4]):
+        static.copy_(data)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert out.argmax(-1).tolist() == bf16_reference_argmax(static, weight).tolist()
+        if not data.any():
+            assert torch.count_nonzero(out).item() == 0

@@ -105,10 +105,12 @@ def test_without_patch_0005_exactly_the_prompts_of_1_plus_n_tokens_go_wrong(n: i
     assert f"len{1 + n}" in shaped
     assert verdict["diverging"], verdict
     assert set(verdict["diverging"]) <= shaped, (verdict["diverging"], shaped)
-    # Every sequential request of that shape (alone in its step) goes wrong within its first tokens.
+    # Sequential requests of that shape (alone in their step) go wrong within their first tokens: most of
+    # them in every run (h200-3: all; h200-4: all but capital-germany at n=4, the bug is not certain).
     sequential = {p.name for p in smoke_cases.SEQUENTIAL} & shaped
-    assert sequential <= set(verdict["diverging"]), sequential
-    assert all(verdict["requests"][p]["first_divergence"] <= 2 for p in sequential)
+    wrong = sequential & set(verdict["diverging"])
+    assert len(wrong) * 2 > len(sequential), (wrong, sequential)
+    assert all(verdict["requests"][p]["first_divergence"] <= 2 for p in wrong)
     # The same requests with --enforce-eager are right: it is the cudagraph path.
     assert RUN["verdicts"][f"hybrid-dflash{n}-eager"]["equal"]
 

@@ -290,6 +290,9 @@ def test_kernels_under_interpreter(scenario: dict[str, Any]) -> None:
         assert case["exact_argmax"] == case["reference_argmax"], case["name"]
         assert case["all_written"], case["name"]
         assert case["max_err_over_bound"] <= 1.0, case["name"]
+        assert case.get("flat", True) and case.get("spilled", True), case  # the path the case is about ran
+    assert {"flat_logits_probe_flags_them", "flat_logits_rescored", "flat_logits_spilled"} <= {c["name"] for c in cases}
+    assert {"zero_hidden_states", "identical_rows"} <= {c["name"] for c in cases}
     # The near-tie problems have teeth: the plain int8 argmax is wrong somewhere.
     assert any(c["plain_argmax"] != c["reference_argmax"] for c in cases)
 
@@ -405,20 +408,76 @@ def _kernel_cases_body(int8_lmhead: Any) -> list[dict[str, Any]]:
     x = torch.randn(3, hidden, generator=gen).to(torch.bfloat16)
     cfg = int8_lmhead.KernelConfig(16, 16, 32, 4, 1, 0, 0, tiled=1)
     packed = int8_lmhead.quantize_lm_head_weight(weight, tile=(cfg.block_v, cfg.block_k))
-    # Three re-scoring programs per token: each owns every third block.
-    exact = int8_lmhead.int8_lm_head_logits(x, packed, weight, config=cfg, rescore_programs_per_row=3)
     plain = int8_lmhead.int8_lm_head_logits(x, packed, weight, exact_argmax=False, config=cfg)
     exact64 = x.double() @ weight.double().T
-    cases.append(
-        {
-            "name": "flat_logits_many_candidate_blocks",
-            "exact_argmax": exact.argmax(-1).tolist(),
-            "plain_argmax": plain.argmax(-1).tolist(),
-            "reference_argmax": bf16_reference_argmax(x, weight).tolist(),
-            "all_written": bool(torch.equal(exact, exact64.to(torch.bfloat16))),
-            "max_err_over_bound": 0.0,
-        }
-    )
+    # Three paths to the same exact logits: the probe (every 4th row sampled) finds them flat and the bf16
+    # kernel computes them all; with the probe blind (a share above 1) the re-scoring kernel takes them,
+    # three programs per token, each owning every third block, with a budget that holds every row; with
+    # a budget of 8 rows it spills the rest to the bf16 kernel.
+    for name, options, expect in (
+        ("flat_logits_probe_flags_them", {"probe_stride": 4}, {"flat": 1, "spilled": False}),
+        (
+            "flat_logits_rescored",
+            {
+                "probe_stride": 4,
+                "flat_sample_share": 2.0,
+                "dense_sample_share": 2.0,
+                "rescore_programs_per_row": 3,
+                "rescore_row_budget": 1 << 20,
+            },
+            {"flat": 0, "spilled": False},
+        ),
+        (
+            "flat_logits_spilled",
+            {
+                "probe_stride": 4,
+                "flat_sample_share": 2.0,
+                "dense_sample_share": 2.0,
+                "rescore_programs_per_row": 3,
+                "rescore_row_budget": 8,
+            },
+            {"flat": 0, "spilled": True},
+        ),
+    ):
+        stats: dict[str, Any] = {}
+        exact = int8_lmhead.int8_lm_head_logits(x, packed, weight, config=cfg, stats=stats, **options)
+        cases.append(
+            {
+                "name": name,
+                "exact_argmax": exact.argmax(-1).tolist(),
+                "plain_argmax": plain.argmax(-1).tolist(),
+                "reference_argmax": bf16_reference_argmax(x, weight).tolist(),
+                "all_written": bool(torch.equal(exact, exact64.to(torch.bfloat16))),
+                "max_err_over_bound": 0.0,
+                "flat": stats["flat"].tolist() == [expect["flat"]] * 3,
+                "spilled": bool(stats["spilled"].any()) == expect["spilled"],
+            }
+        )
+    # All-zero hidden states: every logit is 0 and ties with every other; the first row is the answer.
+    # Identical rows: every logit ties too. Both are flat: no candidate cap could re-score them cheaply.
+    zero = torch.zeros_like(x)
+    same = weight[:1].repeat(weight.shape[0], 1)
+    for name, w_case, x_case in (("zero_hidden_states", weight, zero), ("identical_rows", same, x)):
+        packed_case = int8_lmhead.quantize_lm_head_weight(w_case, tile=(cfg.block_v, cfg.block_k))
+        stats = {}
+        exact = int8_lmhead.int8_lm_head_logits(x_case, packed_case, w_case, config=cfg, stats=stats, probe_stride=4)
+        exact64 = x_case.double() @ w_case.double().T
+        cases.append(
+            {
+                "name": name,
+                "exact_argmax": exact.argmax(-1).tolist(),
+                "plain_argmax": int8_lmhead.int8_lm_head_logits(
+                    x_case, packed_case, w_case, exact_argmax=False, config=cfg
+                )
+                .argmax(-1)
+                .tolist(),
+                "reference_argmax": exact64.to(torch.bfloat16).argmax(-1).tolist(),
+                "all_written": bool(torch.equal(exact, exact64.to(torch.bfloat16))),
+                "max_err_over_bound": 0.0,
+                "flat": stats["flat"].tolist() == [1, 1, 1],
+                "spilled": True,
+            }
+        )
     return cases
 
 
