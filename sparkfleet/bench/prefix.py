@@ -6,7 +6,8 @@ user turns); every turn's prompt is the whole conversation so far, the model's o
 included, as an agent's are. Each turn is sent twice, streaming, at temperature 0:
 
 - **cold**: with a ``cache_salt`` of its own (vLLM hashes the salt into the first block), so no block
-  of it can hit the prefix cache: the whole prompt is prefilled, as with prefix caching off;
+  of it can hit the prefix cache: the whole prompt is prefilled, as with prefix caching off (the twins
+  go in alternating order, turn by turn);
 - **warm**: with the run's salt, shared by every warm request of the run: the system prompt and the
   conversation's earlier turns are in the cache (what an agent's next turn finds).
 
@@ -154,13 +155,16 @@ def run_prefix_bench(
             history = [{"role": "system", "content": conversation.system}]
             for index, user in enumerate(conversation.turns):
                 messages = [*history, {"role": "user", "content": user}]
-                cold_salt = f"sparkfleet-cold-{secrets.token_hex(8)}"
-                cold = _measured(
-                    server, model, messages, conversation.max_tokens, {**base_extra, "cache_salt": cold_salt}
-                )
-                warm = _measured(
-                    server, model, messages, conversation.max_tokens, {**base_extra, "cache_salt": run_salt}
-                )
+                cold_extra = {**base_extra, "cache_salt": f"sparkfleet-cold-{secrets.token_hex(8)}"}
+                warm_extra = {**base_extra, "cache_salt": run_salt}
+                # which twin goes first alternates: a second request of a prompt can be faster for reasons
+                # of its own (warm caches on the host), which must not count for either
+                if len(pairs) % 2 == 0:
+                    cold = _measured(server, model, messages, conversation.max_tokens, cold_extra)
+                    warm = _measured(server, model, messages, conversation.max_tokens, warm_extra)
+                else:
+                    warm = _measured(server, model, messages, conversation.max_tokens, warm_extra)
+                    cold = _measured(server, model, messages, conversation.max_tokens, cold_extra)
                 history = [*messages, {"role": "assistant", "content": warm.completion.text}]
                 pairs.append((cold, warm, index))
                 turn = {

@@ -20,7 +20,7 @@ WORKLOAD_DIR = Path(__file__).resolve().parent.parent / "data" / "workloads"
 DECODE_WORKLOADS = ("prose", "code", "counting", "agent")
 E2E_WORKLOAD = "albond_e2e"
 # Conversations (sparkfleet.bench.prefix), not lists of requests.
-CONVERSATION_WORKLOADS = ("agent_turns",)
+CONVERSATION_WORKLOADS = ("agent_turns", "agent_turns_small")
 SHAREGPT_DATASET = WORKLOAD_DIR / "sharegpt_small.json"
 
 

@@ -60,7 +60,9 @@ def test_cold_twins_carry_a_salt_of_their_own_and_warm_ones_the_run_s(tmp_path: 
     with StubServer(prefill_s=0.0, token_gap_s=0.0, prefix_caching=True) as stub:
         run_prefix_bench(OpenAIServer(stub.base_url), "stub", conversations(2, 2), progress=False)
         salts = [body["cache_salt"] for body in stub.state.bodies]
-    cold, warm = salts[0::2], salts[1::2]
+    pairs = [salts[i : i + 2] for i in range(0, len(salts), 2)]
+    cold = [pair[0] if i % 2 == 0 else pair[1] for i, pair in enumerate(pairs)]  # the twins alternate
+    warm = [pair[1] if i % 2 == 0 else pair[0] for i, pair in enumerate(pairs)]
     assert len(set(cold)) == len(cold) == 4
     assert len(set(warm)) == 1 and not set(warm) & set(cold)
 

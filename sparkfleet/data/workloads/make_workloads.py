@@ -294,6 +294,27 @@ def agent_turns_set(rng: random.Random, count: int = 3, turns: int = 4) -> dict[
     }
 
 
+def agent_turns_small_set(rng: random.Random) -> dict[str, object]:
+    """`agent_turns` cut to fit a 1,024-token context with a small model's tokenizer (the sandbox): a
+    short system prompt with two tools, four short turns."""
+    tools = "\n".join(json.dumps(tool, sort_keys=True) for tool in AGENT_TOOLS[:2])
+    system = f"You are a coding agent. Tools:\n{tools}\nCall one with <tool_call>{{...}}</tool_call>."
+    conversations = []
+    for index, (goal, file_name) in enumerate(AGENT_GOALS[:3], 1):
+        turns = [f"Task: {goal}."]
+        for turn in range(1, 4):
+            line = rng.choice(["import os", "def main():", "    return 0"])
+            turns.append(f"<tool_response>{file_name} {turn}: {line}</tool_response> Go on.")
+        conversations.append(
+            {"id": f"agent-turns-small-{index:02d}", "system": system, "turns": turns, "max_tokens": 256}
+        )
+    return {
+        "name": "agent_turns_small",
+        "description": "agent_turns sized for a 1,024-token context (the sandbox's tiny models): SYNTHETIC.",
+        "conversations": conversations,
+    }
+
+
 def build_all() -> dict[str, object]:
     rng = random.Random(SEED)
     return {
@@ -304,6 +325,7 @@ def build_all() -> dict[str, object]:
         "albond_e2e.json": albond_e2e_set(),
         "sharegpt_small.json": sharegpt_small(rng),
         "agent_turns.json": agent_turns_set(rng),
+        "agent_turns_small.json": agent_turns_small_set(rng),
     }
 
 
