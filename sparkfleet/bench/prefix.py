@@ -37,12 +37,11 @@ import secrets
 import statistics
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from sparkfleet.bench import metrics as prom
 from sparkfleet.bench.http_client import CpuMeter, OpenAIServer, StreamedCompletion
-from sparkfleet.bench.workloads import CONVERSATION_WORKLOADS, WORKLOAD_DIR, WorkloadError, scaled_max_tokens
+from sparkfleet.bench.workloads import CONVERSATION_WORKLOADS, WorkloadError, scaled_max_tokens, workload_path
 
 PREFIX_WORKLOAD = CONVERSATION_WORKLOADS[0]
 PREFIX_CACHE_QUERIES = "vllm:prefix_cache_queries_total"
@@ -66,14 +65,7 @@ def load_conversations(
     name_or_path: str, max_tokens_scale: float = 1.0, limit: int | None = None
 ) -> list[Conversation]:
     """Read a conversations workload (``{"conversations": [{"id", "system", "turns", "max_tokens"}]}``)."""
-    path = Path(name_or_path)
-    if not path.suffix:
-        path = WORKLOAD_DIR / f"{name_or_path}.json"
-    if not path.is_file():
-        raise WorkloadError(
-            f"workload {name_or_path!r} not found; use {', '.join(CONVERSATION_WORKLOADS)} or a path to a "
-            "conversations JSON file"
-        )
+    path = workload_path(name_or_path, CONVERSATION_WORKLOADS, "conversations JSON file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         conversations = [

@@ -62,16 +62,19 @@ def scaled_max_tokens(max_tokens: int, scale: float) -> int:
     return max(1, round(max_tokens * scale))
 
 
-def load_workload(name_or_path: str, max_tokens_scale: float = 1.0, limit: int | None = None) -> Workload:
-    """Load a workload by name (``prose``) or by path to a JSON file in the workload format."""
+def workload_path(name_or_path: str, names: list[str] | tuple[str, ...], kind: str) -> Path:
+    """The file of a shipped workload (by name) or a given JSON path; a one-line error naming both kinds."""
     path = Path(name_or_path)
     if not path.suffix:
         path = WORKLOAD_DIR / f"{name_or_path}.json"
     if not path.is_file():
-        raise WorkloadError(
-            f"workload {name_or_path!r} not found; use one of {', '.join(available_workloads())} "
-            "or a path to a workload JSON file"
-        )
+        raise WorkloadError(f"workload {name_or_path!r} not found; use one of {', '.join(names)} or a path to a {kind}")
+    return path
+
+
+def load_workload(name_or_path: str, max_tokens_scale: float = 1.0, limit: int | None = None) -> Workload:
+    """Load a workload by name (``prose``) or by path to a JSON file in the workload format."""
+    path = workload_path(name_or_path, available_workloads(), "workload JSON file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         raw_requests = data["requests"]

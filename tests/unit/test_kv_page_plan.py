@@ -26,6 +26,20 @@ OLD_DRAFTER_DIR = FIXTURES / "dflash_6c7242c"
 NEW_DRAFTER_DIR = FIXTURES / "dflash_bce6f76"
 
 
+# A dense (non-hybrid) target shaped like the sandbox's tiny Qwen3.
+TINY_QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "vocab_size": 512,
+    "torch_dtype": "bfloat16",
+}
+
+
 @pytest.fixture()
 def target() -> dict[str, Any]:
     return kv_page_plan.load_config(TARGET_DIR)
@@ -274,17 +288,7 @@ def test_planner_imports_neither_vllm_nor_torch() -> None:
 def test_plain_attention_target_with_a_drafter(old_drafter: dict) -> None:
     """A non-hybrid target (no GDN layers, like the sandbox's tiny Qwen3) has no mamba page:
     target and drafter attention share one page when their bytes per token agree."""
-    plain = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 64,
-        "vocab_size": 512,
-        "torch_dtype": "bfloat16",
-    }
+    plain = dict(TINY_QWEN3)
     drafter = copy.deepcopy(old_drafter)
     drafter.update({"num_key_value_heads": 1, "head_dim": 64, "hidden_size": 128, "num_attention_heads": 2})
     result = plan(plain, drafter, 12, patched=True, platform="cpu")
@@ -331,16 +335,7 @@ def test_the_pool_follows_n_prefix_caching_and_the_drafter(target: dict, old_dra
 def test_the_pool_of_a_dense_target(old_drafter: dict) -> None:
     """One KV cache group: all layers share a spec (the drafter has the target's geometry), or the group
     sums the pages of several geometries (UniformTypeKVCacheSpecs); either way no unification."""
-    dense = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "hidden_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 64,
-        "torch_dtype": "bfloat16",
-    }
+    dense = dict(TINY_QWEN3)
     same = dict(old_drafter, num_key_value_heads=1, head_dim=64, num_hidden_layers=1)
     wide = dict(same, num_key_value_heads=2, num_hidden_layers=2)
     one = plan(dense, same, 12, True, platform="cpu")
