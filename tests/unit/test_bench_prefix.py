@@ -26,24 +26,28 @@ def conversations(count: int = 2, turns: int = 3) -> list[Conversation]:
 
 
 def test_warm_turns_hit_the_cache_and_answer_as_cold_ones() -> None:
-    with StubServer(prefill_s=0.08, token_gap_s=0.001, prefix_caching=True) as stub:
+    # a prefill of 0.3 s that the cache cuts to its uncached share: far above any scheduling noise
+    with StubServer(prefill_s=0.3, token_gap_s=0.001, prefix_caching=True) as stub:
         figures, details, _ = run_prefix_bench(OpenAIServer(stub.base_url), "stub", conversations(), progress=False)
     # every later turn finds the conversation so far in the cache; cold twins find nothing
     assert figures["prefix_cache_hits_cold"] == 0
     assert figures["prefix_cache_hits_warm"] > 0 and 0 < figures["prefix_cache_hit_rate_warm"] < 1
     assert all(turn["cache_hits_warm"] > 0 for turn in details["turns"][1:])
     assert figures["prefix_greedy_mismatches"] == 0
-    # the prefill the cache saves shows in both clocks, and they agree: the client's ratio is the headline
-    assert figures["prefix_ttft_warm_over_cold"] < 0.7
-    assert figures["server_prefix_ttft_warm_over_cold"] < 0.7
-    assert details["headline_source"] == "client"
-    assert figures["prefix_ttft_warm_over_cold"] == figures["client_prefix_ttft_warm_over_cold"]
+    # the prefill the cache saves shows in both clocks
+    assert figures["client_prefix_ttft_warm_over_cold"] < 0.8
+    assert figures["server_prefix_ttft_warm_over_cold"] < 0.8
+    # the headline is the client's where the two agree within RATIO_AGREEMENT, else the server's
+    client, server = figures["client_prefix_ttft_warm_over_cold"], figures["server_prefix_ttft_warm_over_cold"]
+    agree = abs(client / server - 1) <= details["ratio_agreement"]
+    assert details["headline_source"] == ("client" if agree else "server")
+    assert figures["prefix_ttft_warm_over_cold"] == (client if agree else server)
     assert details["warm_turns_measured"] == 4  # the turns after each conversation's first
     assert figures["acceptance_length_warm"] == pytest.approx(figures["acceptance_length_cold"])
 
 
 def test_a_server_without_prefix_caching_shows_no_gain() -> None:
-    with StubServer(prefill_s=0.05, token_gap_s=0.001) as stub:
+    with StubServer(prefill_s=0.3, token_gap_s=0.001) as stub:
         figures, _, _ = run_prefix_bench(OpenAIServer(stub.base_url), "stub", conversations(1, 3), progress=False)
     assert figures["prefix_cache_hits_warm"] == 0
     assert 0.7 < figures["prefix_ttft_warm_over_cold"] < 1.4
