@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from sparkfleet import unit_state
+from sparkfleet import startup, unit_state
 
 DEFAULT_INVENTORY = "inventory/sandbox"
 DEFAULT_HOST_PATTERN = "spark"  # the group the playbooks target (sparkfleet_hosts defaults to it)
@@ -590,7 +590,10 @@ def health_summary(probe: dict[str, Any], served_name: str) -> tuple[bool, str]:
     return True, "ok"
 
 
-STATUS_COLUMNS = ("host", "profile", "unit", "health", "patch_set", "model", "drafter", "bench_tok_s")
+STATUS_COLUMNS = (
+    "host", "profile", "unit", "health", "patch_set", "model", "drafter", "ready", "kv_pool", "free_at_ready",
+    "bench_tok_s",
+)  # fmt: skip
 
 
 def status_row(host: FleetHost, probe: dict[str, Any]) -> tuple[bool, dict[str, str], list[str]]:
@@ -625,6 +628,8 @@ def status_row(host: FleetHost, probe: dict[str, Any]) -> tuple[bool, dict[str, 
         "patch_set": str(state.get("patchset_id") or "-"),
         "model": model,
         "drafter": drafter,
+        # the unit's last start (state.json's "startup"): time to /health, KV pool (max concurrency), free memory
+        **startup.status_cells(state.get("startup")),
         "bench_tok_s": bench_figure(probe.get("bench")),
     }
     bench = probe.get("bench")
@@ -848,6 +853,8 @@ def bench_command(host: FleetHost, probe: dict[str, Any], options: BenchOptions,
         str(options.max_tokens_scale),
         "--out",
         result_path,
+        "--state-file",
+        f"{host.config_dir}/state.json",
         "--quiet",
     ]
     if state.get("patchset_id"):

@@ -3,8 +3,9 @@
 Every key of every layer is checked: the profile's own keys, its ``speculative`` config (against
 vLLM 0.23's SpeculativeConfig fields), its ``serve_args`` and each layer of flags over it (against
 vLLM 0.23's own serve parser, read into sparkfleet/data by sparkfleet.vllm_schema), its ``env``, its
-``patches`` (against the patch series), ``health`` and ``baselines``. An unknown key is refused with
-the nearest valid one; each problem is one line that names the profile, the key path and the fix.
+``patches`` (against the patch series), ``health``, ``baselines`` and ``reference_startup``. An unknown
+key is refused with the nearest valid one; each problem is one line that names the profile, the key
+path and the fix.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from sparkfleet import vllm_schema, wheel_build
+from sparkfleet import startup, vllm_schema, wheel_build
 
 # Flags sparkfleet renders itself from other settings; a profile setting them would be a second value.
 OWNED_FLAGS = {
@@ -235,6 +236,7 @@ PROFILE_KEYS = {
     "health": _health,
     "baselines": _numbers,
     "baselines_quick": _numbers,
+    "reference_startup": startup.reference_problems,
 }
 
 

@@ -2,9 +2,10 @@
 
     sparkfleet report --results results/ --out results/report.md
 
-Sections per host and profile (the latest decode, e2e, serving and prefix run each, with tables and
-bar charts), each run's baseline verdicts, plots over time where a host/profile has several runs
-of a kind, and a cross-host comparison per profile. Plots are PNG files written next to the
+Sections per host and profile (the serving unit's start-up figures beside the profile's GB10
+reference; the latest decode, e2e, serving and prefix run each, with tables and bar charts), each run's
+baseline verdicts, plots over time where a host/profile has several runs of a kind, and a cross-host
+comparison per profile. Plots are PNG files written next to the
 report (``<report stem>_plots/``) by a small pure-Python renderer (``sparkfleet.bench.png_charts``):
 no plotting package is needed.
 """
@@ -19,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from sparkfleet import startup
 from sparkfleet.bench import png_charts
 from sparkfleet.bench.results import ResultError, load_result
 
@@ -343,6 +345,26 @@ def over_time(report: ReportWriter, runs: list[dict[str, Any]], kind: str, key: 
     )
 
 
+def startup_section(report: ReportWriter, runs: list[dict[str, Any]]) -> None:
+    """The serving unit's last start as the latest run recorded it, beside the profile's GB10 reference."""
+    recorded = [r for r in runs if r.get("startup") or r.get("startup_reference")]
+    if not recorded:
+        return
+    latest = recorded[-1]
+    rows = startup.comparison_rows(latest.get("startup"), latest.get("startup_reference"))
+    if not rows:
+        return
+    recorded_at = (latest.get("startup") or {}).get("recorded_utc", "–")
+    report.add(
+        f"### start-up (the unit's start recorded {recorded_at}, as of the run at {latest['utc_time']})",
+        "",
+        "| figure | this host | reference (GB10, the recipe's authors) |",
+        "|---|---|---|",
+        *[f"| {label} | {measured} | {reference} |" for label, measured, reference in rows],
+        "",
+    )
+
+
 def build_report(results_dir: Path, out: Path) -> ReportWriter:
     results, skipped = load_all(results_dir)
     report = ReportWriter(out)
@@ -384,6 +406,7 @@ def build_report(results_dir: Path, out: Path) -> ReportWriter:
     for (host, profile), runs in sorted(groups.items()):
         key = slug(host, profile)
         report.add(f"## {host} / {profile}", "")
+        startup_section(report, runs)
         for kind in KINDS:
             of_kind = [r for r in runs if r["kind"] == kind]
             if not of_kind:

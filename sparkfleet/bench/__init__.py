@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import re
 import shlex
 import sys
@@ -72,6 +73,14 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model-revision", help="model revision (default: read from an HF snapshot path, else none)")
     parser.add_argument("--drafter-revision", help="drafter revision, e.g. 6c7242c934a9870d7c59c05240bdbb2467cc1394")
+    parser.add_argument(
+        "--state-file",
+        help="the host's /etc/sparkfleet/state.json: the serving unit's start-up figures go into the result",
+    )
+    parser.add_argument(
+        "--reference-startup",
+        help="JSON object: the profile's reference start-up figures (a GB10's), recorded beside the host's",
+    )
     parser.add_argument("--out", default="results", help="result file (*.json) or directory (default: results)")
     parser.add_argument("--baselines", help="JSON object or file of figure -> baseline, e.g. '{\"e2e_tok_s\": 53.7}'")
     parser.add_argument("--tolerance-pct", type=float, default=5.0, help="allowed regression in %% (default 5)")
@@ -203,7 +212,34 @@ def _new_result(
         drafter_revision=args.drafter_revision,
         vllm_version=server.vllm_version(),
         settings=settings,
+        startup=_recorded_startup(getattr(args, "state_file", None)),
+        startup_reference=_reference_startup(getattr(args, "reference_startup", None)),
     )
+
+
+def _reference_startup(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise SystemExit(f"--reference-startup {text!r} is not a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise SystemExit(f"--reference-startup {text!r} is not a JSON object of figure -> number")
+    return value
+
+
+def _recorded_startup(state_file: str | None) -> dict[str, Any]:
+    """state.json's "startup" (what the unit's last start recorded); {} without one."""
+    if not state_file:
+        return {}
+    try:
+        state = json.loads(Path(state_file).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        print(f"warning: no start-up figures from {state_file}: {exc}", file=sys.stderr)
+        return {}
+    startup = state.get("startup") if isinstance(state, dict) else None
+    return startup if isinstance(startup, dict) else {}
 
 
 def run_decode_command(args: argparse.Namespace) -> int:

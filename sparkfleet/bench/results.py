@@ -72,6 +72,8 @@ def new_result(
     vllm_version: str | None,
     settings: dict[str, Any],
     utc_time: str | None = None,
+    startup: dict[str, Any] | None = None,
+    startup_reference: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A result skeleton with the run's identity filled in; the caller adds figures and details."""
     if kind not in KINDS:
@@ -88,6 +90,10 @@ def new_result(
         "utc_time": utc_time or utc_now(),
         "base_url": base_url,
         "settings": settings,
+        # the serving unit's last start (state.json's "startup": time to /health, KV pool, memory)
+        "startup": startup or {},
+        # the profile's reference_startup: the same figures measured on a GB10 by the recipe's authors
+        "startup_reference": startup_reference or {},
         "figures": {},
         "client_cpu": {},
         "details": {},

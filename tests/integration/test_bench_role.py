@@ -99,6 +99,10 @@ def test_bench_playbook_quick_on_one_host(sandbox_hosts: list[str], sandbox_flee
         assert result["model"]["revision"] == state["model_revisions"][target]
         assert result["drafter"]["revision"] == (state["model_revisions"][drafter] if drafter else None)
         assert result["utc_time"].endswith("Z")
+        # the serving unit's last start, and the profile's GB10 reference beside it
+        assert result["startup"] == state["startup"] and result["startup"]["kv_pool_tokens"] > 0
+        if state["profile"] == "dflash":
+            assert result["startup_reference"]["kv_pool_tokens"] == 456_664
         if result["kind"] != "serving":
             assert result["settings"]["max_tokens_scale"] == 0.125  # quick mode
     assert set(results) == set(METHODS)

@@ -39,6 +39,15 @@ def test_every_host_is_serving_and_summarised(deployed, sandbox_hosts, sandbox_f
         assert "health=ok" in line, f"no healthy summary line for {host}"
         greedy = re.search(r"target-greedy=(\d+)/(\d+)", line)
         assert greedy and greedy.group(1) == greedy.group(2) and int(greedy.group(2)) >= 1, line
+        # the unit's start recorded its figures in state.json (sparkfleet-record-startup, issue 16 point 2):
+        # from this start's journal, systemd's timestamps and the memory guard
+        recorded = json.loads(sandbox_fleet.ssh(host, "cat /etc/sparkfleet/state.json").stdout)["startup"]
+        invocation = sandbox_fleet.ssh(host, f"systemctl show -P InvocationID {UNIT}").stdout.strip()
+        assert recorded["invocation_id"] == invocation, (recorded, invocation)
+        assert recorded["context_tokens"] == 1024 and recorded["kv_pool_tokens"] > 0, recorded
+        assert 0 < recorded["weights_load_s"] < recorded["ready_s"] < 900, recorded
+        assert recorded["peak_service_bytes"] > 0 and recorded["min_available_bytes"] > 0, recorded
+        assert recorded["free_at_ready_bytes"] > 0, recorded
 
 
 def test_hosts_install_exactly_the_hash_pinned_lock_and_refuse_a_file_it_does_not_pin(

@@ -70,6 +70,10 @@ def test_status_reports_every_host_as_the_host_itself_does(sandbox_fleet: Any) -
         assert row["profile"] == state["profile"]
         assert row["patch_set"] == (state["patchset_id"] or "-")
         assert row["model"].startswith(Path(state["model_path"]).name)
+        # the unit's last start, as state.json recorded it
+        assert row["ready"].endswith(" s") and row["kv_pool"].startswith(f"{state['startup']['kv_pool_tokens']:,} ("), (
+            row
+        )
 
 
 def test_an_unknown_or_changed_host_key_is_refused(sandbox_fleet: Any, tmp_path: Path) -> None:

@@ -292,6 +292,13 @@ STATE = {
     },
     "served_model_name": "qwen",
     "host": "127.0.0.1",
+    # as sparkfleet-record-startup writes it at the unit's start
+    "startup": {
+        "ready_s": 183.4,
+        "kv_pool_tokens": 456664,
+        "max_concurrency": 1.74,
+        "free_at_ready_bytes": 17_287_503_872,
+    },
 }
 
 
@@ -335,6 +342,9 @@ def test_probe_reads_state_health_models_and_last_bench(tmp_path: Path, fake_api
         "patch_set": "sf1-3a9c0d1e",
         "model": "intel-int4@0123456789ab",
         "drafter": "dflash-drafter@6c7242c934a9",
+        "ready": "183 s",
+        "kv_pool": "456,664 (1.74x)",
+        "free_at_ready": "16.1 GiB",
         "bench_tok_s": "81.2 decode",
     }
 
@@ -428,7 +438,10 @@ def test_status_prints_one_aligned_line_per_host_and_fails_when_one_host_does(
     out, err = capsys.readouterr()
     lines = out.splitlines()
     assert code == 1
-    assert lines[0].split() == ["HOST", "PROFILE", "UNIT", "HEALTH", "PATCH-SET", "MODEL", "DRAFTER", "BENCH-TOK-S"]
+    assert lines[0].split() == [
+        "HOST", "PROFILE", "UNIT", "HEALTH", "PATCH-SET", "MODEL", "DRAFTER", "READY", "KV-POOL", "FREE-AT-READY",
+        "BENCH-TOK-S",
+    ]  # fmt: skip
     assert lines[2].split()[1:] == lines[1].split()[1:]
     assert lines[1].split()[1:] == [
         "dflash",
@@ -437,6 +450,12 @@ def test_status_prints_one_aligned_line_per_host_and_fails_when_one_host_does(
         "sf1-3a9c0d1e",
         "intel-int4@0123456789ab",
         "dflash-drafter@6c7242c934a9",
+        "183",
+        "s",
+        "456,664",
+        "(1.74x)",
+        "16.1",
+        "GiB",
         "12.5",
         "decode",
     ]

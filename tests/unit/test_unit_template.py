@@ -135,8 +135,12 @@ def test_the_start_timeout_covers_the_first_load_and_the_health_wait() -> None:
     assert start_timeout > FIRST_LOAD_S
     (timeout_start,) = directives(unit, "TimeoutStartSec")
     assert int(timeout_start) > start_timeout
-    (post,) = directives(unit, "ExecStartPost")
+    post, record = directives(unit, "ExecStartPost")
     assert post.endswith(f"/health {start_timeout} $MAINPID") and "sparkfleet-wait-healthy" in post
+    # then, as root and never failing the start, the start-up figures go into state.json
+    assert record.startswith("-+/") and record.endswith(
+        "/sparkfleet-record-startup sparkfleet-vllm-dflash.service /etc/sparkfleet/state.json"
+    ), record
 
 
 @pytest.mark.parametrize(
@@ -255,7 +259,7 @@ def libexec(tmp_path: Path) -> Path:
     """A libexec dir holding the unit's helpers, so `systemd-analyze verify` finds its binaries."""
     directory = tmp_path / "libexec"
     directory.mkdir()
-    for helper in ("sparkfleet-memory-guard", "sparkfleet-wait-healthy"):
+    for helper in ("sparkfleet-memory-guard", "sparkfleet-wait-healthy", "sparkfleet-record-startup"):
         shutil.copy2(BIN / helper, directory / helper)
     return directory
 
