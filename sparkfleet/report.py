@@ -4,10 +4,11 @@
 
 Sections per host and profile (the serving unit's start-up figures beside the profile's GB10
 reference; the latest decode, e2e, serving and prefix run each, with tables and bar charts), each run's
-baseline verdicts, plots over time where a host/profile has several runs of a kind, and a cross-host
-comparison per profile. Plots are PNG files written next to the
-report (``<report stem>_plots/``) by a small pure-Python renderer (``sparkfleet.bench.png_charts``):
-no plotting package is needed.
+baseline verdicts, per-position acceptance, the serving runs' concurrency sweep, plots over time where
+a host/profile has several runs of a kind, and a cross-host comparison per profile. Plots are PNG files
+written next to the report (``<report stem>_plots/``), drawn with matplotlib's Agg backend
+(``sparkfleet.charts``): each draws the profile's baselines that apply to it (from the runs'
+``comparison``) and marks the values that fail them.
 """
 
 from __future__ import annotations
@@ -20,9 +21,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from sparkfleet import startup
-from sparkfleet.bench import png_charts
-from sparkfleet.bench.results import ResultError, load_result
+from sparkfleet import charts, startup
+from sparkfleet.bench.results import ResultError, load_result, lower_is_better
 
 HEADLINE = {
     "decode": "decode_tok_s_median",
@@ -33,7 +33,7 @@ HEADLINE = {
 HEADLINE_LABEL = {
     "decode": "decode-only tok/s (median)",
     "e2e": "end-to-end tok/s (albond method, mean)",
-    "serving": "output tok/s at conc 8 (vllm bench serve)",
+    "serving": "output tok/s (vllm bench serve)",
     "prefix": "warm-prefix TTFT / cold TTFT (agent turns)",
 }
 KINDS = tuple(HEADLINE)
@@ -94,6 +94,7 @@ class ReportWriter:
         self.lines.extend(lines)
 
     def plot(self, name: str, png: bytes, alt: str) -> None:
+        """Write ``png`` as ``<plot dir>/<name>.png`` and link it from the report."""
         self.plot_dir.mkdir(parents=True, exist_ok=True)
         path = self.plot_dir / f"{name}.png"
         path.write_bytes(png)
@@ -103,6 +104,51 @@ class ReportWriter:
     def write(self) -> None:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self.out.write_text("\n".join(self.lines) + "\n", encoding="utf-8")
+
+
+def thresholds(
+    result: dict[str, Any], figure: str, *, category: str | None = None, series: str | None = None
+) -> list[charts.Threshold]:
+    """The baseline ``result`` was compared with for ``figure`` (none or one), as a chart threshold."""
+    comparison = result.get("comparison") or {}
+    return [
+        charts.Threshold(
+            figure=figure,
+            baseline=float(check["baseline"]),
+            tolerance_pct=float(comparison.get("tolerance_pct") or 0.0),
+            lower_is_better=lower_is_better(figure),
+            categories=None if category is None else (category,),
+            series=series,
+        )
+        for check in comparison.get("checks", [])
+        if check.get("figure") == figure and isinstance(check.get("baseline"), int | float)
+    ]
+
+
+def title(what: str, result: dict[str, Any]) -> str:
+    return f"{what} - {result['host']} / {result.get('profile') or '-'}"
+
+
+def per_position_plot(report: ReportWriter, name: str, result: dict[str, Any], series: list, where: str) -> None:
+    """Acceptance by draft position (accepted at position k / drafts), one line per series."""
+    series = [(label, values) for label, values in series if values]
+    if not series:
+        return
+    positions = max(len(values) for _, values in series)
+    report.plot(
+        name,
+        charts.png(
+            charts.line_figure(
+                title(f"Per-position acceptance ({where})", result),
+                [str(i + 1) for i in range(positions)],
+                [(label, list(values) + [None] * (positions - len(values))) for label, values in series],
+                "share of drafts accepted at the position",
+                ylim=(0.0, 1.05),
+                xlabel="draft position",
+            )
+        ),
+        f"per-position acceptance, {where}",
+    )
 
 
 def identity_lines(result: dict[str, Any]) -> list[str]:
@@ -177,33 +223,48 @@ def decode_section(report: ReportWriter, result: dict[str, Any], key: str) -> No
             )
     if workloads:
         names = [w["name"] for w in workloads]
+        rates = [(headlines.get(w["name"]) or {}).get("value", w["decode_tok_s_median"]) for w in workloads]
+        overall = result["figures"].get("decode_tok_s_median")
+        limits = [t for n in names for t in thresholds(result, f"decode_tok_s_median[{n}]", category=n)]
+        if overall is not None:
+            names, rates = ["all requests", *names], [overall, *rates]
+            limits += thresholds(result, "decode_tok_s_median", category="all requests")
         report.plot(
             f"{key}-decode",
-            png_charts.bar_chart(
-                f"Decode-only tok/s - {result['host']} / {result.get('profile') or '-'}",
-                names,
-                [
-                    (
-                        "median tok/s",
-                        [(headlines.get(w["name"]) or {}).get("value", w["decode_tok_s_median"]) for w in workloads],
-                    )
-                ],
-                "TOK/S, MEDIAN PER WORKLOAD",
+            charts.png(
+                charts.bar_figure(
+                    title("Decode-only tok/s", result),
+                    names,
+                    [("median tok/s", rates)],
+                    "tok/s, median per workload",
+                    limits,
+                )
             ),
             "decode tok/s per workload",
         )
+        names = [w["name"] for w in workloads]
         lengths = [(w.get("spec_decode") or {}).get("acceptance_length") for w in workloads]
         if any(length is not None for length in lengths):
             report.plot(
                 f"{key}-acceptance",
-                png_charts.bar_chart(
-                    f"Mean acceptance length - {result['host']} / {result.get('profile') or '-'}",
-                    names,
-                    [("1 + accepted/drafts", lengths)],
-                    "TOKENS PER VERIFY STEP",
+                charts.png(
+                    charts.bar_figure(
+                        title("Mean acceptance length", result),
+                        names,
+                        [("1 + accepted/drafts", lengths)],
+                        "tokens per verify step",
+                        [t for n in names for t in thresholds(result, f"acceptance_length[{n}]", category=n)],
+                    )
                 ),
                 "acceptance length per workload",
             )
+        per_position_plot(
+            report,
+            f"{key}-per-position",
+            result,
+            [(w["name"], (w.get("spec_decode") or {}).get("per_position_acceptance")) for w in workloads],
+            "decode, per workload",
+        )
 
 
 def e2e_section(report: ReportWriter, result: dict[str, Any], key: str) -> None:
@@ -226,13 +287,26 @@ def e2e_section(report: ReportWriter, result: dict[str, Any], key: str) -> None:
         "",
     )
     if prompts:
+        names = [f"{p['id']} ({p['max_tokens']})" for p in prompts]
+        rates = [p["tok_s"] for p in prompts]
+        limits = [
+            t
+            for prompt, name in zip(prompts, names, strict=True)
+            for t in thresholds(result, f"e2e_tok_s[{prompt['id']}]", category=name)
+        ]
+        if result["figures"].get("e2e_tok_s") is not None:
+            names, rates = ["mean", *names], [result["figures"]["e2e_tok_s"], *rates]
+            limits += thresholds(result, "e2e_tok_s", category="mean")
         report.plot(
             f"{key}-e2e",
-            png_charts.bar_chart(
-                f"End-to-end tok/s (albond) - {result['host']} / {result.get('profile') or '-'}",
-                [f"{p['id']} ({p['max_tokens']})" for p in prompts],
-                [("tok/s incl. prefill", [p["tok_s"] for p in prompts])],
-                "TOK/S PER PROMPT (MAX_TOKENS)",
+            charts.png(
+                charts.bar_figure(
+                    title("End-to-end tok/s (albond)", result),
+                    names,
+                    [("tok/s incl. prefill", rates)],
+                    "tok/s per prompt (max_tokens)",
+                    limits,
+                )
             ),
             "e2e tok/s per prompt",
         )
@@ -251,11 +325,31 @@ def serving_section(report: ReportWriter, result: dict[str, Any], key: str) -> N
         "| ms | mean | median | p99 |",
         "|---|---|---|---|",
     )
-    for metric in ("ttft", "tpot", "itl"):
-        cells = [fmt(figures.get(f"serving_{metric}_ms_{stat}")) for stat in ("mean", "median", "p99")]
+    metrics, stats = ("ttft", "tpot", "itl"), ("mean", "median", "p99")
+    for metric in metrics:
+        cells = [fmt(figures.get(f"serving_{metric}_ms_{stat}")) for stat in stats]
         report.add(f"| {metric.upper()} | " + " | ".join(cells) + " |")
     spec = result["details"].get("spec_decode")
     report.add("")
+    if any(figures.get(f"serving_{m}_ms_{s}") is not None for m in metrics for s in stats):
+        report.plot(
+            f"{key}-latency",
+            charts.png(
+                charts.bar_figure(
+                    title(f"Serving latency at concurrency {fmt(settings.get('max_concurrency'))}", result),
+                    [m.upper() for m in metrics],
+                    [(s, [figures.get(f"serving_{m}_ms_{s}") for m in metrics]) for s in stats],
+                    "ms",
+                    [
+                        t
+                        for m in metrics
+                        for s in stats
+                        for t in thresholds(result, f"serving_{m}_ms_{s}", category=m.upper(), series=s)
+                    ],
+                )
+            ),
+            "serving latency: TTFT, TPOT, ITL",
+        )
     if spec:
         report.add(
             f"Speculative decoding: acceptance rate {fmt(spec['acceptance_rate'])}, mean acceptance length "
@@ -264,17 +358,17 @@ def serving_section(report: ReportWriter, result: dict[str, Any], key: str) -> N
             + ".",
             "",
         )
-        if spec["per_position_acceptance"]:
-            report.plot(
-                f"{key}-per-position",
-                png_charts.bar_chart(
-                    f"Per-position acceptance at conc 8 - {result['host']} / {result.get('profile') or '-'}",
-                    [str(i + 1) for i in range(len(spec["per_position_acceptance"]))],
-                    [("accepted / drafts", spec["per_position_acceptance"])],
-                    "FRACTION OF DRAFTS ACCEPTED AT DRAFT POSITION",
-                ),
-                "per-position acceptance",
-            )
+        reported = (result["details"].get("vllm_reported_spec_decode") or {}).get("per_position_acceptance")
+        per_position_plot(
+            report,
+            f"{key}-per-position",
+            result,
+            [
+                ("server counters over the run", spec["per_position_acceptance"]),
+                ("vllm bench serve's reading", reported),
+            ],
+            f"serving at concurrency {fmt(settings.get('max_concurrency'))}",
+        )
 
 
 def prefix_section(report: ReportWriter, result: dict[str, Any], key: str) -> None:
@@ -307,11 +401,13 @@ def prefix_section(report: ReportWriter, result: dict[str, Any], key: str) -> No
     if turns:
         report.plot(
             f"{key}-prefix",
-            png_charts.bar_chart(
-                f"TTFT per turn, cold and warm - {result['host']} / {result.get('profile') or '-'}",
-                [turn["id"] for turn in turns],
-                [("cold", [t["ttft_cold_s"] for t in turns]), ("warm", [t["ttft_warm_s"] for t in turns])],
-                "TIME TO FIRST TOKEN, S",
+            charts.png(
+                charts.bar_figure(
+                    title("TTFT per turn, cold and warm", result),
+                    [turn["id"] for turn in turns],
+                    [("cold", [t["ttft_cold_s"] for t in turns]), ("warm", [t["ttft_warm_s"] for t in turns])],
+                    "time to first token, s",
+                )
             ),
             "TTFT per turn, cold and warm",
         )
@@ -333,13 +429,20 @@ def over_time(report: ReportWriter, runs: list[dict[str, Any]], kind: str, key: 
             }
         )
         series += [(name, [r["figures"].get(f"decode_tok_s_median[{name}]") for r in runs]) for name in names[:6]]
+    # the latest run's baselines (the profile's as they stand), each on the series of its figure
+    figure_of = {headline: HEADLINE[kind]} | {name: f"decode_tok_s_median[{name}]" for name, _ in series[1:]}
+    limits = [t for name, _ in series for t in thresholds(runs[-1], figure_of[name], series=name)]
     report.plot(
         f"{key}-{kind}-over-time",
-        png_charts.line_chart(
-            f"{kind} over time - {runs[0]['host']} / {runs[0].get('profile') or '-'}",
-            [short_time(r["utc_time"]) for r in runs],
-            series,
-            HEADLINE_LABEL[kind].upper(),
+        charts.png(
+            charts.line_figure(
+                title(f"{kind} over time", runs[0]),
+                [short_time(r["utc_time"]) for r in runs],
+                series,
+                HEADLINE_LABEL[kind],
+                limits,
+                xlabel="run (UTC, MM-DD HH:MM)",
+            )
         ),
         f"{kind} over time",
     )
@@ -362,6 +465,28 @@ def startup_section(report: ReportWriter, runs: list[dict[str, Any]]) -> None:
         "|---|---|---|",
         *[f"| {label} | {measured} | {reference} |" for label, measured, reference in rows],
         "",
+    )
+
+
+def concurrency_sweep(report: ReportWriter, runs: list[dict[str, Any]], key: str) -> None:
+    """Output tok/s against max concurrency: the latest serving run at each concurrency (one point or more)."""
+    latest: dict[float, dict[str, Any]] = {}
+    for run in runs:  # in time order: the last one at a concurrency wins
+        concurrency = (run.get("settings") or {}).get("max_concurrency")
+        if isinstance(concurrency, int | float) and not isinstance(concurrency, bool) and concurrency > 0:
+            latest[float(concurrency)] = run
+    if not latest:
+        return
+    report.plot(
+        f"{key}-serving-concurrency",
+        charts.png(
+            charts.sweep_figure(
+                title("Output tok/s by concurrency", runs[-1]),
+                [(c, run["figures"].get("serving_output_tok_s")) for c, run in sorted(latest.items())],
+                [t for c, run in latest.items() for t in thresholds(run, "serving_output_tok_s", category=f"{c:g}")],
+            )
+        ),
+        "serving output tok/s by concurrency, aggregate and per stream",
     )
 
 
@@ -414,6 +539,8 @@ def build_report(results_dir: Path, out: Path) -> ReportWriter:
             latest = of_kind[-1]
             report.add(f"### {kind}", "", *identity_lines(latest), *comparison_lines(latest), "")
             SECTIONS[kind](report, latest, f"{key}-{kind}")
+            if kind == "serving":
+                concurrency_sweep(report, of_kind, key)
             if len(of_kind) > 1:
                 over_time(report, of_kind, kind, key)
 
@@ -429,11 +556,14 @@ def build_report(results_dir: Path, out: Path) -> ReportWriter:
             names = sorted(hosts)
             report.plot(
                 slug("hosts", profile, kind),
-                png_charts.bar_chart(
-                    f"{kind} by host - profile {profile}",
-                    names,
-                    [(HEADLINE[kind], [hosts[h]["figures"].get(HEADLINE[kind]) for h in names])],
-                    HEADLINE_LABEL[kind].upper(),
+                charts.png(
+                    charts.bar_figure(
+                        f"{kind} by host - profile {profile}",
+                        names,
+                        [(HEADLINE[kind], [hosts[h]["figures"].get(HEADLINE[kind]) for h in names])],
+                        HEADLINE_LABEL[kind],
+                        [t for h in names for t in thresholds(hosts[h], HEADLINE[kind], category=h)],
+                    )
                 ),
                 f"{kind} by host for {profile}",
             )
