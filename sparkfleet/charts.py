@@ -334,19 +334,25 @@ AGGREGATE = "aggregate output tok/s"
 PER_STREAM = "output tok/s per stream"
 
 
-def sweep_figure(title: str, points: Sequence[tuple[float, Value]], thresholds: Sequence[Threshold] = ()) -> Figure:
-    """Output tok/s against concurrency: aggregate (left) and per stream (aggregate / concurrency, right).
+def sweep_figure(
+    title: str, points: Sequence[tuple[float, Value] | tuple[float, Value, Value]], thresholds: Sequence[Threshold] = ()
+) -> Figure:
+    """Output tok/s against concurrency: aggregate (left) and per stream (right).
 
-    ``points`` are (concurrency, aggregate output tok/s), one or more; ``thresholds`` apply to the
-    aggregate (their categories are concurrencies written as text, e.g. "8").
+    ``points`` are (concurrency, aggregate output tok/s[, per-stream tok/s]), one or more; without a
+    per-stream figure it is aggregate / concurrency. ``thresholds`` apply to the aggregate (their
+    categories are concurrencies written as text, e.g. "8").
     """
     if not points:
         raise ValueError("a concurrency sweep needs at least one point")
     points = sorted(points, key=lambda point: point[0])
-    xs = [float(c) for c, _ in points]
+    xs = [float(point[0]) for point in points]
     categories = [f"{c:g}" for c in xs]
-    aggregate = [finite(v) for _, v in points]
-    per_stream = [None if v is None or c <= 0 else v / c for c, v in zip(xs, aggregate, strict=True)]
+    aggregate = [finite(point[1]) for point in points]
+    per_stream = [
+        finite(point[2]) if len(point) > 2 and point[2] is not None else (None if v is None or c <= 0 else v / c)
+        for point, c, v in zip(points, xs, aggregate, strict=True)
+    ]
     thresholds = merge_thresholds([replace(t, series=AGGREGATE) for t in thresholds], categories)
     fig, axes = new_figure(2)
     for ax, name, values in ((axes[0], AGGREGATE, aggregate), (axes[1], PER_STREAM, per_stream)):

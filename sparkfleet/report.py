@@ -329,6 +329,24 @@ def serving_section(report: ReportWriter, result: dict[str, Any], key: str) -> N
     for metric in metrics:
         cells = [fmt(figures.get(f"serving_{metric}_ms_{stat}")) for stat in stats]
         report.add(f"| {metric.upper()} | " + " | ".join(cells) + " |")
+    sweep = result["details"].get("sweep") or []
+    if sweep:
+        report.add(
+            "",
+            "Concurrency sweep (one `vllm bench serve` run each; per stream = 1000 / median TPOT):",
+            "",
+            "| concurrency | output tok/s | per stream | TTFT median ms | TPOT median ms | acceptance length "
+            "| completed | failed |",
+            "|---|---|---|---|---|---|---|---|",
+        )
+        for entry in sweep:
+            f = entry["figures"]
+            report.add(
+                f"| {entry['concurrency']} | {fmt(f.get('serving_output_tok_s'))} | "
+                f"{fmt(f.get('serving_output_tok_s_per_stream'))} | {fmt(f.get('serving_ttft_ms_median'))} | "
+                f"{fmt(f.get('serving_tpot_ms_median'))} | {fmt(f.get('acceptance_length'))} | "
+                f"{fmt(f.get('serving_completed'))} | {fmt(f.get('serving_failed'))} |"
+            )
     spec = result["details"].get("spec_decode")
     report.add("")
     if any(figures.get(f"serving_{m}_ms_{s}") is not None for m in metrics for s in stats):
@@ -469,23 +487,33 @@ def startup_section(report: ReportWriter, runs: list[dict[str, Any]]) -> None:
 
 
 def concurrency_sweep(report: ReportWriter, runs: list[dict[str, Any]], key: str) -> None:
-    """Output tok/s against max concurrency: the latest serving run at each concurrency (one point or more)."""
-    latest: dict[float, dict[str, Any]] = {}
-    for run in runs:  # in time order: the last one at a concurrency wins
-        concurrency = (run.get("settings") or {}).get("max_concurrency")
-        if isinstance(concurrency, int | float) and not isinstance(concurrency, bool) and concurrency > 0:
-            latest[float(concurrency)] = run
-    if not latest:
-        return
+    """Output tok/s against max concurrency: the latest run's sweep, or else the latest serving run at each
+    concurrency (one point or more)."""
+    sweep = (runs[-1].get("details") or {}).get("sweep") or []
+    if sweep:
+        points = [
+            (
+                entry["concurrency"],
+                entry["figures"].get("serving_output_tok_s"),
+                entry["figures"].get("serving_output_tok_s_per_stream"),
+            )
+            for entry in sweep
+        ]
+        top = f"{max(entry['concurrency'] for entry in sweep):g}"
+        drawn = thresholds(runs[-1], "serving_output_tok_s", category=top)
+    else:
+        latest: dict[float, dict[str, Any]] = {}
+        for run in runs:  # in time order: the last one at a concurrency wins
+            concurrency = (run.get("settings") or {}).get("max_concurrency")
+            if isinstance(concurrency, int | float) and not isinstance(concurrency, bool) and concurrency > 0:
+                latest[float(concurrency)] = run
+        if not latest:
+            return
+        points = [(c, run["figures"].get("serving_output_tok_s")) for c, run in sorted(latest.items())]
+        drawn = [t for c, run in latest.items() for t in thresholds(run, "serving_output_tok_s", category=f"{c:g}")]
     report.plot(
         f"{key}-serving-concurrency",
-        charts.png(
-            charts.sweep_figure(
-                title("Output tok/s by concurrency", runs[-1]),
-                [(c, run["figures"].get("serving_output_tok_s")) for c, run in sorted(latest.items())],
-                [t for c, run in latest.items() for t in thresholds(run, "serving_output_tok_s", category=f"{c:g}")],
-            )
-        ),
+        charts.png(charts.sweep_figure(title("Output tok/s by concurrency", runs[-1]), points, drawn)),
         "serving output tok/s by concurrency, aggregate and per stream",
     )
 

@@ -123,7 +123,16 @@ def add_bench_subcommands(sub: Any) -> None:
     _add_common(serving)
     serving.add_argument("--dataset", default=str(SHAREGPT_DATASET), help="ShareGPT-format JSON dataset")
     serving.add_argument("--num-prompts", type=int, default=64)
-    serving.add_argument("--max-concurrency", type=int, default=8)
+    serving.add_argument(
+        "--max-concurrency",
+        help="one concurrency or a sweep, e.g. 1,2,3 (each runs vllm bench serve; the highest is the headline); "
+        "default: the sweep --max-num-seqs gives, else 8",
+    )
+    serving.add_argument(
+        "--max-num-seqs",
+        type=int,
+        help="the server's max-num-seqs: sweep 1, 2, 3 below it and it (1,2,3 for 3; 1,2,3,8 for 8)",
+    )
     serving.add_argument("--backend", default="openai-chat", choices=["openai-chat", "vllm"])
     serving.add_argument("--tokenizer", help="tokenizer path or repo (default: the model root the server reports)")
     serving.add_argument("--output-len", type=int, help="fixed output length (--sharegpt-output-len)")
@@ -301,21 +310,29 @@ def run_e2e_command(args: argparse.Namespace) -> int:
 
 
 def run_serving_command(args: argparse.Namespace) -> int:
-    from sparkfleet.bench.serving import run_serving_bench
+    from sparkfleet.bench.serving import default_concurrencies, parse_concurrencies, run_serving_sweep
 
+    if args.max_concurrency is not None:
+        concurrencies = parse_concurrencies(args.max_concurrency)
+    elif args.max_num_seqs is not None:
+        concurrencies = default_concurrencies(args.max_num_seqs)
+    else:
+        concurrencies = [8]
     server = OpenAIServer(args.base_url, api_key=read_api_key(args.api_key_file))
     model, root, revision = _identity(args, server)
     settings = {
         "dataset": Path(args.dataset).name,
         "num_prompts": args.num_prompts,
-        "max_concurrency": args.max_concurrency,
+        "max_concurrency": max(concurrencies),
+        "concurrencies": concurrencies,
         "backend": args.backend,
         "output_len": args.output_len,
         "temperature": 0.0,
         "seed": args.seed,
     }
     result = _new_result("serving", args, server, model, root, revision, settings)
-    figures, details, cpu = run_serving_bench(
+    figures, details, cpu = run_serving_sweep(
+        concurrencies=concurrencies,
         base_url=server.base_url,
         model=root or model,
         served_model_name=model,
@@ -323,7 +340,6 @@ def run_serving_command(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         backend=args.backend,
         num_prompts=args.num_prompts,
-        max_concurrency=args.max_concurrency,
         output_len=args.output_len,
         seed=args.seed,
         vllm_command=shlex.split(args.vllm_command) if args.vllm_command else None,

@@ -1,4 +1,10 @@
-"""Serving benchmark at concurrency 8 on a ShareGPT-format dataset, through ``vllm bench serve``.
+"""Serving benchmark on a ShareGPT-format dataset through ``vllm bench serve``, swept over concurrencies.
+
+``run_serving_sweep`` runs it once per concurrency (by default 1, 2, 3 up to the profile's
+``max-num-seqs``, and that: 1, 2, 3, 8 for the conc-8 profile); the result's headline figures are the
+highest concurrency's (the ones baselines name), and every concurrency's TTFT, TPOT, output tok/s
+(aggregate, and per stream: 1000 / median TPOT, what one request sees while it decodes) and
+acceptance are figures of their own, ``<figure>[conc<N>]``.
 
 Runs vLLM's own client (it ships with the service venv's vLLM) as a subprocess, so its TTFT,
 TPOT and ITL are vLLM's definitions; then reads its ``--save-result`` JSON and adds the
@@ -195,3 +201,70 @@ def run_serving_bench(
         "client_cpu_note": "vllm bench serve runs as a child process; its CPU time is counted",
     }
     return figures, details, cpu.as_dict()
+
+
+# the figures each concurrency of a sweep keeps as "<name>[conc<N>]"
+SWEEP_FIGURES = (
+    "serving_output_tok_s",
+    "serving_output_tok_s_per_stream",
+    "serving_ttft_ms_median",
+    "serving_tpot_ms_median",
+    "serving_completed",
+    "serving_failed",
+    "acceptance_length",
+)
+
+
+def default_concurrencies(max_num_seqs: int) -> list[int]:
+    """1, 2, 3 below the server's max-num-seqs, and max-num-seqs itself (what it serves at full load)."""
+    if max_num_seqs < 1:
+        raise ServingBenchError(f"max-num-seqs {max_num_seqs} must be >= 1")
+    return [c for c in (1, 2, 3) if c < max_num_seqs] + [max_num_seqs]
+
+
+def parse_concurrencies(text: str) -> list[int]:
+    """``8`` or ``1,2,3,8``: distinct concurrencies >= 1, ascending; a one-line error names a bad one."""
+    values = []
+    for part in str(text).split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise ServingBenchError(f"max-concurrency {text!r}: {part!r} is not a whole number >= 1 (e.g. 1,2,3,8)")
+        values.append(int(part))
+    return sorted(set(values))
+
+
+def run_serving_sweep(
+    *, concurrencies: list[int], **kwargs: Any
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``run_serving_bench`` at each concurrency, lowest first; (figures, details, client_cpu).
+
+    The headline figures are the highest concurrency's; ``details`` is that run's, with ``sweep``: one
+    entry per concurrency (its figures, acceptance and command)."""
+    if not concurrencies:
+        raise ServingBenchError("no concurrency to measure (e.g. --max-concurrency 1,2,3)")
+    sweep, cpu_s, wall_s = [], 0.0, 0.0
+    figures: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    for concurrency in sorted(set(concurrencies)):
+        figures, details, cpu = run_serving_bench(max_concurrency=concurrency, **kwargs)
+        tpot = figures.get("serving_tpot_ms_median")
+        per_stream = 1000.0 / tpot if isinstance(tpot, int | float) and tpot > 0 else None
+        figures["serving_output_tok_s_per_stream"] = per_stream
+        cpu_s, wall_s = cpu_s + cpu["cpu_s"], wall_s + cpu["wall_s"]
+        sweep.append(
+            {
+                "concurrency": concurrency,
+                "figures": {name: figures.get(name) for name in SWEEP_FIGURES},
+                "acceptance_rate": figures.get("acceptance_rate"),
+                "per_position_acceptance": (details.get("spec_decode") or {}).get("per_position_acceptance"),
+                "command": details["command"],
+            }
+        )
+    figures = dict(figures)
+    for entry in sweep:
+        for name, value in entry["figures"].items():
+            figures[f"{name}[conc{entry['concurrency']}]"] = value
+    details = {**details, "sweep": sweep}
+    share = cpu_s / wall_s if wall_s > 0 else None
+    figures["client_cpu_share"] = share
+    return figures, details, {"cpu_s": cpu_s, "wall_s": wall_s, "share": share, "includes_children": True}

@@ -99,6 +99,13 @@ def test_bench_playbook_quick_on_one_host(sandbox_hosts: list[str], sandbox_flee
         assert result["model"]["revision"] == state["model_revisions"][target]
         assert result["drafter"]["revision"] == (state["model_revisions"][drafter] if drafter else None)
         assert result["utc_time"].endswith("Z")
+        if result["kind"] == "serving":
+            # the sweep up to the sandbox's max-num-seqs (2), one vllm bench serve run each
+            assert [entry["concurrency"] for entry in result["details"]["sweep"]] == [1, 2]
+            assert result["settings"]["concurrencies"] == [1, 2]
+            for c in (1, 2):
+                assert result["figures"][f"serving_completed[conc{c}]"] == 8
+                assert result["figures"][f"serving_output_tok_s_per_stream[conc{c}]"] > 0
         # the serving unit's last start, and the profile's GB10 reference beside it
         assert result["startup"] == state["startup"] and result["startup"]["kv_pool_tokens"] > 0
         if state["profile"] == "dflash":

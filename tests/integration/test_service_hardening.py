@@ -185,6 +185,7 @@ def test_beyond_loopback_only_keyed_requests_get_in(host: Host, sandbox_fleet, t
         "serve_bench_quick": True,
         "serve_bench_methods": ["decode", "e2e", "serving"],
         "serve_bench_fail_on_regression": False,
+        "serve_bench_serving_concurrencies": [2],  # the key is what is tested here, not the sweep
     }
     bench = run_playbook(
         "playbooks/bench.yml", "-vvv", "--limit", host.name, "-e", f"@{secret_vars}", "-e", json.dumps(bench_vars)

@@ -130,3 +130,83 @@ def test_failed_run_reports_exit_code_and_tail(tmp_path: Path) -> None:
         )
     with pytest.raises(serving.ServingBenchError, match="dataset 'nope.json' not found"):
         serving.run_serving_bench(base_url="http://x", model="m", served_model_name="s", dataset_path="nope.json")
+
+
+# Stands in for vLLM's CLI at any concurrency: the recorded result, throughput and TPOT moved with it.
+FAKE_VLLM_AT_ANY_CONCURRENCY = """
+import json, sys, pathlib
+argv = sys.argv[1:]
+flag = lambda name: argv[argv.index(name) + 1]
+c = int(flag("--max-concurrency"))
+data = json.loads(RECORDED)
+data.update(output_throughput=10.0 * c, median_tpot_ms=100.0 + 25 * (c - 1), median_ttft_ms=50.0 * c)
+pathlib.Path(flag("--result-dir"), flag("--result-filename")).write_text(json.dumps(data))
+"""
+
+
+def test_a_sweep_runs_each_concurrency_and_heads_with_the_highest(tmp_path: Path) -> None:
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(f"RECORDED = {json.dumps(json.dumps(RECORDED))}\n" + FAKE_VLLM_AT_ANY_CONCURRENCY)
+    with StubServer() as stub:
+        figures, details, cpu = serving.run_serving_sweep(
+            concurrencies=[3, 1, 2, 3],
+            base_url=stub.base_url,
+            model="/m",
+            served_model_name="stub",
+            dataset_path=str(script),
+            vllm_command=[sys.executable, str(script)],
+        )
+    assert [entry["concurrency"] for entry in details["sweep"]] == [1, 2, 3]
+    assert [entry["command"][entry["command"].index("--max-concurrency") + 1] for entry in details["sweep"]] == [
+        "1",
+        "2",
+        "3",
+    ]
+    # the headline figures (the ones baselines name) are the highest concurrency's
+    assert figures["serving_output_tok_s"] == 30.0 and figures["serving_tpot_ms_median"] == 150.0
+    for c in (1, 2, 3):
+        assert figures[f"serving_output_tok_s[conc{c}]"] == 10.0 * c
+        assert figures[f"serving_ttft_ms_median[conc{c}]"] == 50.0 * c
+        # per stream: what one request sees while it decodes, 1000 / median TPOT
+        assert figures[f"serving_output_tok_s_per_stream[conc{c}]"] == pytest.approx(1000 / (100 + 25 * (c - 1)))
+    assert cpu["cpu_s"] > 0 and figures["client_cpu_share"] == cpu["share"]
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "expected"), [(1, [1]), (2, [1, 2]), (3, [1, 2, 3]), (4, [1, 2, 3, 4]), (8, [1, 2, 3, 8])]
+)
+def test_the_default_sweep_ends_at_max_num_seqs(max_num_seqs: int, expected: list[int]) -> None:
+    assert serving.default_concurrencies(max_num_seqs) == expected
+
+
+def test_a_sweep_is_parsed_or_refused_by_name() -> None:
+    assert serving.parse_concurrencies("8") == [8]
+    assert serving.parse_concurrencies("8, 1,2,2") == [1, 2, 8]
+    for bad in ("0", "1,x", "", "2,-1"):
+        with pytest.raises(serving.ServingBenchError, match="is not a whole number >= 1"):
+            serving.parse_concurrencies(bad)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [([], [8]), (["--max-num-seqs", "3"], [1, 2, 3]), (["--max-num-seqs", "8"], [1, 2, 3, 8]),
+     (["--max-concurrency", "2,1", "--max-num-seqs", "8"], [1, 2])],
+)  # fmt: skip
+def test_the_serving_command_sweeps_what_it_is_told(
+    flags: list[str], expected: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sparkfleet.bench import main as bench_main
+
+    seen: list[list[int]] = []
+
+    def fake_sweep(*, concurrencies: list[int], **_kwargs: Any) -> tuple[dict, dict, dict]:
+        seen.append(concurrencies)
+        return {"serving_output_tok_s": 1.0}, {"sweep": []}, {"cpu_s": 0.0, "wall_s": 1.0, "share": 0.0}
+
+    monkeypatch.setattr(serving, "run_serving_sweep", fake_sweep)
+    with StubServer() as stub:
+        out = str(tmp_path / "r.json")
+        code = bench_main(["serving", "--base-url", stub.base_url, "--quiet", "--out", out, *flags])
+    assert code == 0 and seen == [expected]
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["settings"]["concurrencies"] == expected and result["settings"]["max_concurrency"] == expected[-1]
