@@ -15,7 +15,7 @@ the text "FAIL", as ``sparkfleet.bench.results.compare_figure`` judges it. Text 
 ("spark-01" stays lower case). Files are deterministic: fixed size and dpi, no software stamp.
 
 Controller side only (matplotlib is a controller dependency): ``sparkfleet.bench`` is copied to the
-serving hosts and keeps to the standard library, so the charts live outside it.
+serving hosts and imports only the standard library and packages vLLM brings, so the charts live outside it.
 """
 
 from __future__ import annotations

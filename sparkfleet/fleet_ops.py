@@ -15,10 +15,11 @@ result is printed in inventory order once every host has answered::
 
 What a host serves is read from ``/etc/sparkfleet/state.json`` (written by the vllm_service role);
 health is probed from the host itself (the API binds to loopback) with the host's own python3, so
-nothing but sshd and python3 is needed there. ``bench`` copies the standard-library benchmark
-clients (``sparkfleet.bench``) to ``<sparkfleet_root>/lib`` and runs them with the service venv's
-Python; the result lands in ``<sparkfleet_state_dir>/bench/`` (``latest.json`` is what ``status``
-shows) and a copy comes back to ``--out``.
+nothing but sshd and python3 is needed there. ``bench`` copies the benchmark clients
+(``sparkfleet.bench``) to ``<sparkfleet_root>/lib`` and runs them with the service venv's Python
+(they import httpx and prometheus_client, which vLLM brings); the result lands in
+``<sparkfleet_state_dir>/bench/`` (``latest.json`` is what ``status`` shows) and a copy comes back
+to ``--out``.
 
 Exit codes: 0 every host is fine, 1 at least one host failed (each says why on its own line),
 2 bad input (inventory, arguments).
@@ -50,7 +51,7 @@ DEFAULT_HOST_PATTERN = "spark"  # the group the playbooks target (sparkfleet_hos
 DEFAULT_FORKS = 16
 CONNECT_TIMEOUT_S = 15
 PACKAGE_DIR = Path(__file__).resolve().parent
-# What `ops bench` copies to a host: the standard-library bench clients and their prompt sets.
+# What `ops bench` copies to a host: the bench clients and their prompt sets (run with the service venv's Python).
 BENCH_PAYLOAD_GLOBS = ("__init__.py", "bench/*.py", "data/workloads/*.json")
 
 # Inventory variables and their defaults (inventory/group_vars/all/sparkfleet.yml).

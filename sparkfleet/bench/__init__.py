@@ -1,8 +1,10 @@
 """Benchmark clients for a serving host: decode-only, albond's end-to-end, serving at conc 8, and
 multi-turn prefix reuse.
 
-Standard library only (plus vLLM's own ``vllm bench serve`` for the serving run), so it runs on a
-serving host under the service venv's Python from a copied ``sparkfleet`` directory::
+It imports the standard library and packages vLLM 0.23 itself brings into the service venv
+(``httpx`` for HTTP, ``prometheus_client`` for ``/metrics``; and vLLM's own ``vllm bench serve`` for
+the serving run), so it runs on a serving host under the service venv's Python from a copied
+``sparkfleet`` directory (tests/unit/test_bench_portable.py holds the list)::
 
     PYTHONPATH=<dir holding sparkfleet> python -m sparkfleet.bench decode --base-url http://127.0.0.1:8000
     python -m sparkfleet.bench e2e --base-url ... --max-tokens-scale 0.125

@@ -1,6 +1,6 @@
 """Decode-only tok/s (the reference's ``bench_decode.py`` figure, "~81 tok/s on agent turns").
 
-Standard library only. Sequential (concurrency 1) streaming chat completions at temperature 0,
+Sequential (concurrency 1) streaming chat completions at temperature 0,
 ``stream_options.include_usage`` on. Per request:
 
 - decode window = arrival of the last chunk carrying a choice - arrival of the first chunk

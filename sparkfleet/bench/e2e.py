@@ -1,6 +1,6 @@
 """End-to-end tok/s by albond's method (the reference's ``bench_albond.py``: 51.58 / 53.7 / 59.0).
 
-Standard library only. Five prompts with max_tokens 256/512/1024/64/2048, non-streaming chat
+Five prompts with max_tokens 256/512/1024/64/2048, non-streaming chat
 completions at temperature 0; each prompt is run twice back to back and run 1 is discarded
 (warm-up). Per prompt: tok/s = completion_tokens / wall-clock of run 2, prefill included. The
 headline figure ``e2e_tok_s`` is the mean over the five prompts.

@@ -1,25 +1,76 @@
-"""Minimal OpenAI-compatible HTTP client for the benchmarks (standard library only).
+"""Minimal OpenAI-compatible HTTP client for the benchmarks, on ``httpx`` (the service venv has it).
 
-Streams Server-Sent Events with ``http.client`` and time-stamps every event as it is read, so
-the decode window is measured from the first to the last token chunk the client receives.
-Also measures the client's own CPU use, to show the client is not the bottleneck.
+Streams Server-Sent Events with ``httpx`` and time-stamps every event as the client takes it from
+the response, so the decode window is measured from the first to the last token chunk the client
+receives. The stream is read with ``iter_bytes`` and split into lines on ``\\n`` here, as
+``readline`` did: ``iter_lines`` splits like ``str.splitlines``, i.e. also on U+2028, U+0085 and
+the like, which JSON leaves unescaped in a generated token's text. Also measures the client's own
+CPU use, to show the client is not the bottleneck.
+
+Imports only the standard library and packages vLLM 0.23 itself brings (httpx): it runs on a
+serving host under the service venv's Python (tests/unit/test_bench_portable.py).
 """
 
 from __future__ import annotations
 
-import http.client
+import contextlib
+import functools
 import json
 import resource
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import httpx
 
 
 class BenchHTTPError(RuntimeError):
     """The server answered with an error or an unexpected body."""
+
+
+@functools.cache
+def http_client() -> httpx.Client:
+    """The process's one HTTP client (building one loads a CA bundle: ~20 ms, never in a timed span).
+
+    - no proxy or other settings from the environment (``trust_env=False``): the benchmark talks to
+      the server directly, as ``http.client`` did;
+    - no kept-alive connections: a connection per request, as before, so a TTFT includes the same
+      connect as earlier results' and the server's keep-alive timeout cannot close one under a request;
+    - ``Accept-Encoding: identity``: an event stream is never compressed, so each event is readable
+      the moment it arrives.
+    """
+    return httpx.Client(
+        trust_env=False,
+        limits=httpx.Limits(max_keepalive_connections=0),
+        headers={"Accept-Encoding": "identity"},
+    )
+
+
+@contextlib.contextmanager
+def transport_errors(method: str, url: str) -> Iterator[None]:
+    """httpx's transport failures as the ``OSError`` they are (refused, reset, timed out), so the CLI's
+    one-line error ("is a server listening at ...?") and the callers' ``except OSError`` still apply;
+    other httpx failures (undecodable body, redirect loop) as ``BenchHTTPError``."""
+    try:
+        yield
+    except httpx.TimeoutException as exc:
+        raise TimeoutError(f"{method} {url}: timed out ({exc})") from exc
+    except httpx.TransportError as exc:
+        raise ConnectionError(f"{method} {url}: {exc or type(exc).__name__}") from exc
+    except httpx.HTTPError as exc:
+        raise BenchHTTPError(f"{method} {url}: {exc or type(exc).__name__}") from exc
+
+
+def get_bytes(url: str, timeout_s: float, headers: dict[str, str] | None = None, name: str | None = None) -> bytes:
+    """GET ``url`` (redirects followed, as urllib did) and return the body; HTTP >= 400 raises
+    ``BenchHTTPError`` naming the request by ``name`` (default: the URL)."""
+    with transport_errors("GET", url):
+        response = http_client().get(url, headers=headers, timeout=timeout_s, follow_redirects=True)
+    if response.status_code >= 400:
+        raise BenchHTTPError(f"GET {name or url} answered HTTP {response.status_code}")
+    return response.content
 
 
 @dataclass
@@ -112,37 +163,28 @@ class OpenAIServer:
         self.parsed = urllib.parse.urlparse(self.base_url)
         self.timeout_s = timeout_s
         self.api_key = api_key
+        http_client()  # built now, outside any timed request
 
     def _headers(self, **extra: str) -> dict[str, str]:
         return {**extra, **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
 
-    def _connection(self) -> http.client.HTTPConnection:
-        port = self.parsed.port
-        if self.parsed.scheme == "https":
-            return http.client.HTTPSConnection(self.parsed.hostname or "", port, timeout=self.timeout_s)
-        return http.client.HTTPConnection(self.parsed.hostname or "", port, timeout=self.timeout_s)
-
     def get_json(self, path: str) -> Any:
-        try:
-            request = urllib.request.Request(self.base_url + path, headers=self._headers())
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return json.loads(response.read().decode("utf-8"))
-        except urllib.error.HTTPError as exc:
-            raise BenchHTTPError(f"GET {path} answered HTTP {exc.code}") from exc
+        body = get_bytes(self.base_url + path, timeout_s=30, headers=self._headers(), name=path)
+        return json.loads(body.decode("utf-8"))
 
     def post_json(self, path: str, body: dict[str, Any]) -> Any:
-        connection = self._connection()
-        try:
-            connection.request(
-                "POST", path, body=json.dumps(body), headers=self._headers(**{"Content-Type": "application/json"})
+        url = self.base_url + path
+        with transport_errors("POST", url):
+            response = http_client().post(
+                url,
+                content=json.dumps(body).encode("utf-8"),
+                headers=self._headers(**{"Content-Type": "application/json"}),
+                timeout=self.timeout_s,
             )
-            response = connection.getresponse()
-            payload = response.read().decode("utf-8")
-            if response.status != 200:
-                raise BenchHTTPError(f"POST {path} answered HTTP {response.status}: {payload[:300]}")
-            return json.loads(payload)
-        finally:
-            connection.close()
+        payload = response.content.decode("utf-8")
+        if response.status_code != 200:
+            raise BenchHTTPError(f"POST {path} answered HTTP {response.status_code}: {payload[:300]}")
+        return json.loads(payload)
 
     def model_info(self) -> tuple[str, str | None]:
         """The first served model: (id, root), root being the path or repo vLLM loaded."""
@@ -185,26 +227,44 @@ class OpenAIServer:
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
         body.update(extra or {})
-        connection = self._connection()
-        try:
+        url = self.base_url + "/v1/chat/completions"
+        client = http_client()
+        with transport_errors("POST", url):
             request_start = time.perf_counter()
-            connection.request(
+            with client.stream(
                 "POST",
-                "/v1/chat/completions",
-                body=json.dumps(body),
+                url,
+                content=json.dumps(body).encode("utf-8"),
                 headers=self._headers(**{"Content-Type": "application/json", "Accept": "text/event-stream"}),
-            )
-            response = connection.getresponse()
-            if response.status != 200:
-                raise BenchHTTPError(
-                    f"POST /v1/chat/completions answered HTTP {response.status}: {response.read()[:300]!r}"
-                )
-            return _read_event_stream(response, request_start)
-        finally:
-            connection.close()
+                timeout=self.timeout_s,
+            ) as response:
+                if response.status_code != 200:
+                    raise BenchHTTPError(
+                        f"POST /v1/chat/completions answered HTTP {response.status_code}: {response.read()[:300]!r}"
+                    )
+                return _read_event_stream(_lines(response.iter_bytes()), request_start)
 
 
-def _read_event_stream(response: http.client.HTTPResponse, request_start: float) -> StreamedCompletion:
+def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """The stream's lines, each with its ``\\n``, handed out as soon as its last byte has arrived.
+
+    Split on ``\\n`` alone, as ``readline`` splits: an SSE ``data:`` line is one JSON document
+    whatever characters its strings hold. The caller time-stamps each line as it takes it.
+    """
+    pending = b""
+    for chunk in chunks:
+        pending += chunk
+        start = 0
+        while (end := pending.find(b"\n", start)) >= 0:
+            yield pending[start : end + 1]
+            start = end + 1
+        pending = pending[start:]
+    if pending:
+        yield pending
+
+
+def _read_event_stream(lines: Iterable[bytes], request_start: float) -> StreamedCompletion:
+    """Read a chat completion's event stream; each ``data:`` event is stamped when the client reads it."""
     first_chunk: float | None = None
     window_start: float | None = None
     tokens_at_window_start = 1
@@ -214,10 +274,7 @@ def _read_event_stream(response: http.client.HTTPResponse, request_start: float)
     finish_reason: str | None = None
     text_parts: list[str] = []
     chunk_times: list[float] = []
-    while True:
-        raw = response.readline()
-        if not raw:
-            break
+    for raw in lines:
         now = time.perf_counter()
         line = raw.decode("utf-8").strip()
         if not line.startswith("data:"):

@@ -1,6 +1,11 @@
 """Parse vLLM's Prometheus ``/metrics`` text and compute deltas over a measurement window.
 
-Standard library only: this module runs on a serving host under the service venv's Python.
+The exposition format is parsed by ``prometheus_client`` (a vLLM 0.23 requirement, so the service
+venv has it; a controller dependency too): this module runs on a serving host under the service
+venv's Python, and on the controller, where serve_health's ``sparkfleet_prometheus_sum`` filter
+uses the same parser. Samples are read by their full names (``..._total``, ``..._bucket``,
+``..._created``), not by family: prometheus_client names a counter's family without ``_total``,
+and a counter's ``_created`` sample is a sample of its own, never added to the counter.
 
 The figures taken from ``/metrics`` (metric names as vLLM 0.23 exposes them, see
 ``vllm/v1/spec_decode/metrics.py`` and ``vllm/v1/metrics/loggers.py``):
@@ -24,8 +29,11 @@ from __future__ import annotations
 
 import math
 import time
-import urllib.request
 from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from sparkfleet.bench.http_client import get_bytes
 
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
@@ -57,65 +65,48 @@ class Sample:
         return None
 
 
-def _parse_labels(text: str, line: str) -> tuple[tuple[str, str], ...]:
-    """Parse ``a="x",b="y"`` (the part between braces), honouring ``\\"``, ``\\\\`` and ``\\n``."""
-    labels: list[tuple[str, str]] = []
-    index = 0
-    length = len(text)
-    while index < length:
-        while index < length and text[index] in " ,":
-            index += 1
-        if index >= length:
-            break
-        equals = text.find("=", index)
-        if equals < 0 or equals + 1 >= length or text[equals + 1] != '"':
-            raise MetricsFormatError(f"bad label set in /metrics line {line!r}")
-        key = text[index:equals].strip()
-        index = equals + 2
-        value_chars: list[str] = []
-        while True:
-            if index >= length:
-                raise MetricsFormatError(f"unterminated label value in /metrics line {line!r}")
-            char = text[index]
-            if char == "\\" and index + 1 < length:
-                escaped = text[index + 1]
-                value_chars.append({"n": "\n", '"': '"', "\\": "\\"}.get(escaped, escaped))
-                index += 2
-                continue
-            if char == '"':
-                index += 1
-                break
-            value_chars.append(char)
-            index += 1
-        labels.append((key, "".join(value_chars)))
-    return tuple(labels)
+def _samples(text: str) -> list[Sample]:
+    return [
+        Sample(name=sample.name, labels=tuple(sample.labels.items()), value=float(sample.value))
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    ]
+
+
+def _line_fault(line: str) -> str:
+    """What is wrong with a sample line prometheus_client refused, in words (for the error message)."""
+    _name, brace, rest = line.partition("{")
+    if brace:
+        close = rest.rfind("}")
+        if close < 0:
+            return "unterminated labels (unclosed '{')"
+        fields = rest[close + 1 :].split()
+    else:
+        fields = line.split()[1:]
+    if not fields:
+        return "no value"
+    try:
+        float(fields[0])  # float() accepts +Inf, -Inf and NaN, as the format does
+    except ValueError:
+        return f"bad value {fields[0]!r}"
+    return "bad label set" if brace else "not a sample"
 
 
 def parse_prometheus_text(text: str) -> list[Sample]:
-    """Parse Prometheus text exposition format into samples (comments and blank lines skipped)."""
-    samples: list[Sample] = []
-    for raw_line in text.splitlines():
-        line = raw_line.strip()
-        if not line or line.startswith("#"):
-            continue
-        if "{" in line:
-            name, _, rest = line.partition("{")
-            close = rest.rfind("}")
-            if close < 0:
-                raise MetricsFormatError(f"unclosed label set in /metrics line {line!r}")
-            labels = _parse_labels(rest[:close], line)
-            value_part = rest[close + 1 :].split()
-        else:
-            parts = line.split()
-            name, labels, value_part = parts[0], (), parts[1:]
-        if not value_part:
-            raise MetricsFormatError(f"no value in /metrics line {line!r}")
-        try:
-            value = float(value_part[0])  # float() accepts +Inf, -Inf and NaN
-        except ValueError as exc:
-            raise MetricsFormatError(f"bad value {value_part[0]!r} in /metrics line {line!r}") from exc
-        samples.append(Sample(name=name.strip(), labels=labels, value=value))
-    return samples
+    """Parse Prometheus text exposition format into samples (comments, blank lines and timestamps
+    skipped); a malformed line raises ``MetricsFormatError`` naming the line and what is wrong."""
+    try:
+        return _samples(text)
+    except ValueError as exc:
+        for raw_line in text.splitlines():  # name the line: parse them one at a time
+            line = raw_line.strip()
+            if not line or line.startswith("#"):
+                continue
+            try:
+                _samples(line + "\n")
+            except ValueError as line_exc:
+                raise MetricsFormatError(f"{_line_fault(line)} in /metrics line {line!r} ({line_exc})") from exc
+        raise MetricsFormatError(f"/metrics is not Prometheus text exposition format: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -209,9 +200,8 @@ class MetricsSnapshot:
 
 
 def fetch_metrics(base_url: str, timeout_s: float = 10.0) -> MetricsSnapshot:
-    """Scrape ``{base_url}/metrics`` (base_url without the ``/v1`` suffix)."""
-    with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as response:
-        return MetricsSnapshot.from_text(response.read().decode("utf-8"))
+    """Scrape ``{base_url}/metrics`` (base_url without the ``/v1`` suffix; vLLM serves it without the key)."""
+    return MetricsSnapshot.from_text(get_bytes(base_url.rstrip("/") + "/metrics", timeout_s).decode("utf-8"))
 
 
 def fetch_settled_metrics(

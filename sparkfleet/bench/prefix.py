@@ -1,7 +1,7 @@
 """Multi-turn agent turns: what prefix caching buys (warm-prefix TTFT against cold) and what it must not
 change (greedy output, acceptance).
 
-Standard library only. A workload of conversations (``agent_turns.json``: a shared system prompt, then
+A workload of conversations (``agent_turns.json``: a shared system prompt, then
 user turns); every turn's prompt is the whole conversation so far, the model's own earlier answers
 included, as an agent's are. Each turn is sent twice, streaming, at temperature 0:
 

@@ -11,7 +11,14 @@ from sparkfleet.bench import main as bench_main
 from sparkfleet.bench import results as res
 from sparkfleet.bench.decode import run_decode_bench, summarize_request_agreement, tpot_agreement
 from sparkfleet.bench.e2e import run_e2e_bench
-from sparkfleet.bench.http_client import BenchHTTPError, OpenAIServer, StreamedCompletion, read_api_key
+from sparkfleet.bench.http_client import (
+    BenchHTTPError,
+    OpenAIServer,
+    StreamedCompletion,
+    _lines,
+    _read_event_stream,
+    read_api_key,
+)
 from sparkfleet.bench.metrics import ServerTpotWindow
 from sparkfleet.bench.workloads import BenchRequest, Workload, load_workload
 from tests.unit.bench_stub import StubServer
@@ -47,6 +54,30 @@ def test_streamed_completion_arithmetic() -> None:
     assert merged.tokens_in_window == 96 and merged.decode_tok_s == pytest.approx(48.0)
     single = completion(0.5, 0.5, 1)
     assert single.decode_tok_s is None and single.tpot_s is None
+
+
+def test_event_stream_lines_split_on_newline_only_across_reads() -> None:
+    # a token's text may hold U+2028 or U+0085, which JSON leaves unescaped: still one data line;
+    # events cut anywhere between two reads (even inside a UTF-8 character) come out whole
+    def event(content: str | None, generated: int) -> dict[str, object]:
+        delta = {"role": "assistant", "content": ""} if content is None else {"content": content}
+        choice = {"index": 0, "delta": delta, "finish_reason": None}
+        return {"choices": [choice], "usage": {"completion_tokens": generated}}
+
+    events = [event(None, 0), event("a\u2028b", 1), event("\u0085é", 2)]
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+    stream = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\n\n" for e in [*events, usage]) + "data: [DONE]\n\n"
+    raw = stream.encode()
+    cut = raw.index("é".encode()) + 1
+    reads = [raw[:7], raw[7:cut], raw[cut:]]
+    assert b"".join(_lines(reads)) == raw
+    assert [line for line in _lines(reads) if line.strip()] == [
+        line + b"\n" for line in raw.split(b"\n") if line.strip()
+    ]
+    completion = _read_event_stream(_lines(reads), request_start=0.0)
+    assert completion.text == "a\u2028b\u0085é"
+    assert (completion.completion_tokens, completion.prompt_tokens, completion.tokens_at_window_start) == (2, 3, 1)
+    assert len(completion.chunk_times) == 3  # the role chunk and the two content chunks, each stamped
 
 
 def test_tpot_agreement_exact_arithmetic() -> None:

@@ -541,23 +541,26 @@ def test_bench_command_runs_the_service_venv_with_the_hosts_identity() -> None:
         fleet_ops.bench_command(sandbox_host(), {"state": {}}, options, "x")
 
 
-def test_bench_payload_runs_standalone_without_site_packages(tmp_path: Path) -> None:
-    """What ops copies to a host is enough for `python -m sparkfleet.bench` with the standard library only."""
+def test_bench_payload_runs_standalone_from_the_copy(tmp_path: Path) -> None:
+    """What ops copies to a host is enough for `python -m sparkfleet.bench` under a venv's Python: the
+    standard library and the packages vLLM brings (tests/unit/test_bench_portable.py), nothing of this
+    checkout but the copy."""
     lib = tmp_path / "lib"
     for local, relative in fleet_ops.bench_payload():
         (lib / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(local, lib / relative)
     assert not (lib / "sparkfleet" / "fleet_ops.py").exists(), "only the bench clients travel"
-    env = {"PYTHONPATH": str(lib), "PATH": os.environ.get("PATH", "")}
+    env = {"PYTHONPATH": str(lib), "PATH": os.environ.get("PATH", ""), "PYTHONNOUSERSITE": "1"}
     check = (
         "import sparkfleet.bench, sparkfleet.bench.decode; from sparkfleet.bench.workloads import load_workload; "
+        f"assert sparkfleet.bench.__file__.startswith({str(lib)!r}), sparkfleet.bench.__file__; "
         "print(len(load_workload('prose', 0.25, 2).requests))"
     )
-    proc = subprocess.run([sys.executable, "-S", "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "2"
     proc = subprocess.run(
-        [sys.executable, "-S", "-m", "sparkfleet.bench", "decode", "--help"],
+        [sys.executable, "-m", "sparkfleet.bench", "decode", "--help"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

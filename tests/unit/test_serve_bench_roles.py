@@ -121,7 +121,10 @@ def bench_vars(tmp_path: Path, port: int, **overrides: Any) -> dict[str, Any]:
     (venv / "bin").mkdir(parents=True, exist_ok=True)
     python = venv / "bin" / "python"
     if not python.exists():
-        python.symlink_to(sys.executable)
+        # this venv's Python, its site-packages included (a symlink would start the bare base interpreter):
+        # the clients import httpx and prometheus_client, which a host's service venv has from vLLM
+        python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n', encoding="utf-8")
+        python.chmod(0o755)
     return {
         "serve_bench_port": port,
         "serve_bench_served_model_name": "stub",

@@ -1,14 +1,17 @@
 """Ansible filter over Prometheus text exposition (vLLM's ``/metrics``), for the serve_health role.
 
 ``sparkfleet_prometheus_sum(text, name)``: the sum of every sample of the metric ``name`` over all
-its label sets (a vLLM server exposes one per engine), 0.0 when the metric is absent. Pure and
-standard library only; the same parsing rules as ``sparkfleet.bench.metrics``.
+its label sets (a vLLM server exposes one per engine), 0.0 when the metric is absent. The text is
+parsed by ``sparkfleet.bench.metrics.parse_prometheus_text`` (prometheus_client's parser, a
+controller dependency): the same parser the benchmark clients use on the hosts.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import sys
+from pathlib import Path
 from typing import Any
 
 try:
@@ -19,41 +22,31 @@ except ImportError:  # the unit tests import this file without Ansible on the pa
         """Stand-in when Ansible is not importable."""
 
 
+# roles/serve_health/filter_plugins/prometheus_text.py -> the repo root, which holds sparkfleet/.
+_ROOT = str(Path(__file__).resolve().parents[3])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+from sparkfleet.bench import metrics as _metrics  # noqa: E402
+
 METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 
 
 def sparkfleet_prometheus_sum(text: Any, name: str) -> float:
-    """Sum of the samples of metric ``name`` in Prometheus text ``text``; 0.0 if it has none.
+    """Sum of the finite samples named ``name`` in Prometheus text ``text``; 0.0 if it has none.
 
-    A sample line is ``name{labels} value`` or ``name value`` (an optional timestamp after the value
-    is ignored). ``# HELP``/``# TYPE`` lines and other metrics (e.g. ``name`` + ``_created``) are skipped.
+    A sample's timestamp is ignored; ``# HELP``/``# TYPE`` lines and other metrics sharing the name
+    as a prefix (``name`` + ``_other``, a counter's ``_created``) do not count.
     """
     if not isinstance(text, str):
         raise AnsibleFilterError(f"sparkfleet_prometheus_sum: expected the /metrics text, got {type(text).__name__}")
     if not isinstance(name, str) or not METRIC_NAME.match(name):
         raise AnsibleFilterError(f"sparkfleet_prometheus_sum: {name!r} is not a Prometheus metric name")
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        rest = line[len(name) :]
-        if rest.startswith("{"):
-            close = rest.rfind("}")
-            if close < 0:
-                raise AnsibleFilterError(f"sparkfleet_prometheus_sum: unterminated labels in {line[:120]!r}")
-            rest = rest[close + 1 :]
-        elif not rest.startswith((" ", "\t")):
-            continue  # another metric sharing the prefix
-        fields = rest.split()
-        if not fields:
-            raise AnsibleFilterError(f"sparkfleet_prometheus_sum: no value in {line[:120]!r}")
-        try:
-            value = float(fields[0])
-        except ValueError as exc:
-            raise AnsibleFilterError(f"sparkfleet_prometheus_sum: value {fields[0]!r} in {line[:120]!r}") from exc
-        if math.isfinite(value):
-            total += value
-    return total
+    try:
+        samples = _metrics.parse_prometheus_text(text)
+    except _metrics.MetricsFormatError as exc:
+        raise AnsibleFilterError(f"sparkfleet_prometheus_sum: {exc}") from exc
+    return float(sum(sample.value for sample in samples if sample.name == name and math.isfinite(sample.value)))
 
 
 class FilterModule:
