@@ -133,7 +133,12 @@ def test_a_deploy_whose_gate_fails_goes_back_to_the_last_good_unit(
     # the broken unit was written and started (a real failure, not a refusal), then replaced
     assert f"last error of {DFLASH}:" in failed.output and "1000000" in failed.output, "vLLM's own refusal"
     assert unit_sha(sandbox_fleet, host, DFLASH) == before["unit"]
-    assert state(sandbox_fleet, host) == before["state"]
+    after = state(sandbox_fleet, host)
+    # what the host serves is its last good state; what its start took is this start's, recorded anew
+    startup = after.pop("startup")
+    assert after == {key: value for key, value in before["state"].items() if key != "startup"}
+    invocation = sandbox_fleet.ssh(host, f"systemctl show -P InvocationID {DFLASH}").stdout.strip()
+    assert startup["invocation_id"] == invocation != before["state"]["startup"]["invocation_id"], startup
     assert active(sandbox_fleet, host, DFLASH) == "active"
     assert main_pid(sandbox_fleet, host, DFLASH) not in ("", "0", pid_before), "restarted on the good unit"
 
