@@ -4,7 +4,7 @@
 ``max-num-seqs``, and that: 1, 2, 3, 8 for the conc-8 profile); the result's headline figures are the
 highest concurrency's (the ones baselines name), and every concurrency's TTFT, TPOT, output tok/s
 (aggregate, and per stream: 1000 / median TPOT, what one request sees while it decodes) and
-acceptance are figures of their own, ``<figure>[conc<N>]``.
+acceptance are figures of their own, ``<figure>[conc<N>]`` (acceptance as ``serving_acceptance_length[conc<N>]``).
 
 Runs vLLM's own client (it ships with the service venv's vLLM) as a subprocess, so its TTFT,
 TPOT and ITL are vLLM's definitions; then reads its ``--save-result`` JSON and adds the
@@ -215,6 +215,11 @@ SWEEP_FIGURES = (
 )
 
 
+# "acceptance_length[...]" is the decode method's per-workload family: a concurrency's is named apart, so a
+# baseline of one method is never handed to the other
+SWEEP_FIGURE_NAMES = {"acceptance_length": "serving_acceptance_length"}
+
+
 def default_concurrencies(max_num_seqs: int) -> list[int]:
     """1, 2, 3 below the server's max-num-seqs, and max-num-seqs itself (what it serves at full load)."""
     if max_num_seqs < 1:
@@ -263,7 +268,7 @@ def run_serving_sweep(
     figures = dict(figures)
     for entry in sweep:
         for name, value in entry["figures"].items():
-            figures[f"{name}[conc{entry['concurrency']}]"] = value
+            figures[f"{SWEEP_FIGURE_NAMES.get(name, name)}[conc{entry['concurrency']}]"] = value
     details = {**details, "sweep": sweep}
     share = cpu_s / wall_s if wall_s > 0 else None
     figures["client_cpu_share"] = share

@@ -169,6 +169,9 @@ def test_a_sweep_runs_each_concurrency_and_heads_with_the_highest(tmp_path: Path
         assert figures[f"serving_ttft_ms_median[conc{c}]"] == 50.0 * c
         # per stream: what one request sees while it decodes, 1000 / median TPOT
         assert figures[f"serving_output_tok_s_per_stream[conc{c}]"] == pytest.approx(1000 / (100 + 25 * (c - 1)))
+    # named apart from the decode method's per-workload acceptance_length[<workload>]
+    assert not any(name.startswith("acceptance_length[") for name in figures)
+    assert "serving_acceptance_length[conc1]" in figures
     assert cpu["cpu_s"] > 0 and figures["client_cpu_share"] == cpu["share"]
 
 

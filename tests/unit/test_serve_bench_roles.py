@@ -482,3 +482,38 @@ def test_greedy_check_names_bad_input(logprobs: Any, prompt_len: int, completion
     module = load_health_filter("greedy_check")
     with pytest.raises(module.AnsibleFilterError, match=fragment):
         module.sparkfleet_greedy_check(logprobs, prompt_len, completion)
+
+
+PARTITION = "{{ __serve_bench_baselines_by_method | to_json }}"
+
+
+def test_each_method_gets_only_the_baselines_it_writes(tmp_path: Path) -> None:
+    """decode's per-workload acceptance_length[<workload>] never reaches serving, whose per-concurrency
+    acceptance is serving_acceptance_length[conc<N>] (else every serving run fails "not measured")."""
+    playbook = tmp_path / "partition.yml"
+    role = ROOT / "roles" / "serve_bench"
+    playbook.write_text(
+        yaml.safe_dump(
+            [
+                {
+                    "hosts": "localhost",
+                    "gather_facts": False,
+                    "vars_files": [str(role / "defaults" / "main.yml"), str(role / "vars" / "main.yml")],
+                    "tasks": [{"ansible.builtin.debug": {"msg": "PARTITION" + PARTITION}}],
+                }
+            ]
+        )
+    )
+    baselines = {"acceptance_length[prose]": 2.0, "serving_acceptance_length[conc2]": 1.0, "acceptance_length": 3.0}
+    proc = subprocess.run(
+        [str(ANSIBLE_PLAYBOOK), "-i", "localhost,", "-c", "local", str(playbook), "-e",
+         json.dumps({"serve_bench_baselines": baselines})],
+        capture_output=True, text=True, check=False, timeout=120,
+        env={**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(x for x in proc.stdout.splitlines() if "PARTITION" in x)
+    partition = json.loads(json.loads("{" + line.strip().rstrip(",") + "}")["msg"].removeprefix("PARTITION"))
+    assert partition["decode"] == {"acceptance_length[prose]": 2.0}
+    assert partition["serving"] == {"acceptance_length": 3.0, "serving_acceptance_length[conc2]": 1.0}
+    assert partition["e2e"] == {"acceptance_length": 3.0}
