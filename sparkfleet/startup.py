@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from sparkfleet.bench.results import finite_figures
+
 GIB = 2**30
 
 # (name, label, unit) in the order they are shown. *_gib figures are state.json's *_bytes ones.
@@ -28,21 +30,14 @@ _FROM_BYTES = {"free_at_ready_gib": "free_at_ready_bytes", "peak_service_gib": "
                "min_available_gib": "min_available_bytes"}  # fmt: skip
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-        return None
-    return float(value)
-
-
 def figures(startup: Any) -> dict[str, float]:
     """The numeric figures of a recorded ``startup`` by FIGURES' names (bytes turned into GiB)."""
-    if not isinstance(startup, dict):
-        return {}
+    numeric = finite_figures(startup) if isinstance(startup, dict) else {}
     found = {}
     for name in FIGURE_NAMES:
-        value = _number(startup.get(_FROM_BYTES.get(name, name)))
-        if value is not None:
-            found[name] = value / GIB if name in _FROM_BYTES else value
+        source = _FROM_BYTES.get(name, name)
+        if source in numeric:
+            found[name] = numeric[source] / GIB if name in _FROM_BYTES else numeric[source]
     return found
 
 
@@ -74,11 +69,11 @@ def status_cells(startup: Any) -> dict[str, str]:
 def comparison_rows(startup: Any, reference: Any) -> list[tuple[str, str, str]]:
     """(label, measured, the reference's GB10 figure) for each figure measured or referenced."""
     found = figures(startup)
-    ref = {k: v for k, v in (reference or {}).items() if _number(v) is not None} if isinstance(reference, dict) else {}
+    ref = finite_figures(reference) if isinstance(reference, dict) else {}
     rows = []
     for name, label, _ in FIGURES:
         if name in found or name in ref:
-            rows.append((label, format_figure(name, found.get(name)), format_figure(name, _number(ref.get(name)))))
+            rows.append((label, format_figure(name, found.get(name)), format_figure(name, ref.get(name))))
     return rows
 
 
@@ -87,9 +82,10 @@ def reference_problems(where: str, value: Any) -> list[str]:
     if not isinstance(value, dict):
         return [f"{where} must be a mapping of start-up figure -> number, got {type(value).__name__} {value!r}"]
     found = []
+    numeric = finite_figures(value)
     for key, item in value.items():
         if key not in FIGURE_NAMES:
             found.append(f"{where}.{key}: not a start-up figure (one of {', '.join(FIGURE_NAMES)})")
-        elif _number(item) is None or item < 0:
+        elif key not in numeric or item < 0:
             found.append(f"{where}.{key}: must be a number >= 0, got {item!r}")
     return found
