@@ -18,6 +18,8 @@ DRIFT_JSON ?=
 LINES ?= 30
 REF ?= main
 UPDATE ?=
+WORKLOAD ?=
+RANGE ?= 4-16:2
 ANSIBLE_ARGS ?=
 
 PYTHON ?= python3
@@ -47,7 +49,7 @@ sh_quote = '$(subst ','\'',$(1))'
 # ... and a value is taken as typed: `$(...)` in it is text, not make code (a command-line variable is
 # otherwise expanded as make syntax wherever it is used).
 PROFILE_ORIGIN := $(origin PROFILE)
-$(foreach v,PROFILE INVENTORY LIMIT HOSTS SERIAL ROLL_BENCH LINES DRIFT_JSON REF,$(eval override $(v) := $$(value $(v))))
+$(foreach v,PROFILE INVENTORY LIMIT HOSTS SERIAL ROLL_BENCH LINES DRIFT_JSON REF WORKLOAD RANGE,$(eval override $(v) := $$(value $(v))))
 Q_PROFILE = $(call sh_quote,$(PROFILE))
 Q_INVENTORY = $(call sh_quote,$(INVENTORY))
 SANDBOX := $(filter inventory/sandbox inventory/sandbox/,$(INVENTORY))
@@ -178,6 +180,19 @@ ROLL_PROFILE := $(if $(filter command line environment,$(PROFILE_ORIGIN)),-e spa
 rolling: check-profile ## Re-provision in batches (SERIAL=1 or 25%): health gate + quick bench (ROLL_BENCH=decode|none)
 	$(PLAYBOOK) playbooks/rolling.yml $(ROLL_PROFILE) -e sparkfleet_rolling_serial=$(call sh_quote,$(SERIAL)) \
 	  $(if $(ROLL_BENCH),-e sparkfleet_rolling_bench_methods=$(call sh_quote,$(ROLL_BENCH)),)
+
+# An interrupted or failed tune puts the host back on its last good unit (restore.yml; a failed one has
+# already, in its rescue, and restore finds nothing to do).
+.PHONY: tune
+tune: check-profile ## Measure num_speculative_tokens values on each host (one at a time), serve and record the best: WORKLOAD=code [RANGE=4-16:2] [QUICK=1] [LIMIT=host]
+	@case $(call sh_quote,$(WORKLOAD)) in ''|*[!a-z_]*) echo "make tune: WORKLOAD="$(call sh_quote,$(WORKLOAD))" is not a workload: name one, e.g. WORKLOAD=code (prose, code, counting, agent)" >&2; exit 2;; esac
+	@case $(call sh_quote,$(RANGE)) in ''|*[!0-9,:-]*) echo "make tune: RANGE="$(call sh_quote,$(RANGE))" is not a range: FIRST-LAST[:STEP] (e.g. 4-16:2) or a list (4,8,12)" >&2; exit 2;; esac
+	@trap : INT; rc=0; \
+	$(PLAYBOOK) playbooks/tune.yml -e sparkfleet_profile=$(Q_PROFILE) -e sparkfleet_tune_workload=$(call sh_quote,$(WORKLOAD)) \
+	  -e sparkfleet_tune_range=$(call sh_quote,$(RANGE)) $(if $(QUICK),-e sparkfleet_tune_quick=true,) || rc=$$?; \
+	if [ $$rc -ne 0 ]; then trap - INT; echo "make tune: stopped (exit $$rc): putting any host it left mid-way back on its last good unit" >&2; \
+	  $(PLAYBOOK) playbooks/restore.yml -e "sparkfleet_restore_after='make tune'" || true; fi; \
+	exit $$rc
 
 .PHONY: health
 health: $(VENV)/.stamp ## Health-check every host of INVENTORY [LIMIT=host]

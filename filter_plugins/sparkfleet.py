@@ -28,6 +28,7 @@ def sparkfleet_profile(
     serve_args_platform: dict[str, Any] | None = None,
     env_platform: dict[str, Any] | None = None,
     serve_args_host: dict[str, Any] | None = None,
+    tuned: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``name | sparkfleet_profile(builtin, site, common_args, common_env, platform_args, platform_env)``:
     the resolved profile dict; raises AnsibleFilterError naming an unknown profile and the valid ones."""
@@ -40,7 +41,17 @@ def sparkfleet_profile(
             serve_args_platform,
             env_platform,
             serve_args_host,
+            tuned,
         )
+    except _profiles.ProfileError as exc:
+        raise AnsibleFilterError(str(exc)) from exc
+
+
+def sparkfleet_with_speculative_tokens(resolved: dict[str, Any], n: int) -> dict[str, Any]:
+    """``profile | sparkfleet_with_speculative_tokens(n)``: the resolved profile drafting n tokens, its
+    health gate's acceptance length scaled to n (sparkfleet.profiles.with_speculative_tokens)."""
+    try:
+        return _profiles.with_speculative_tokens(resolved, int(n))
     except _profiles.ProfileError as exc:
         raise AnsibleFilterError(str(exc)) from exc
 
@@ -138,6 +149,7 @@ class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
             "sparkfleet_profile": sparkfleet_profile,
+            "sparkfleet_with_speculative_tokens": sparkfleet_with_speculative_tokens,
             "sparkfleet_profile_names": sparkfleet_profile_names,
             "sparkfleet_profile_errors": sparkfleet_profile_errors,
             "sparkfleet_model_cache_entries": sparkfleet_model_cache_entries,

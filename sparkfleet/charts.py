@@ -377,3 +377,42 @@ def sweep_figure(
     fig.suptitle(title, fontsize=11)
     legend(fig)
     return fig
+
+
+TUNE_TOK_S = "decode tok/s"
+TUNE_ACCEPTANCE = "acceptance length"
+
+
+def tune_figure(title: str, points: Sequence[tuple[int, Value, Value]], best: int | None = None) -> Figure:
+    """`make tune`'s chart: decode tok/s (left) and acceptance length (right) against
+    num_speculative_tokens; ``points`` are (n, tok/s, acceptance), a value not measured is left out, and
+    the ``best`` n is marked on both."""
+    if not points:
+        raise ValueError("a tuning chart needs at least one value of n")
+    points = sorted(points, key=lambda point: point[0])
+    xs = [float(point[0]) for point in points]
+    fig, axes = new_figure(2)
+    for ax, name, column, color in ((axes[0], TUNE_TOK_S, 1, COLORS[0]), (axes[1], TUNE_ACCEPTANCE, 2, COLORS[1])):
+        values = [finite(point[column]) for point in points]
+        shown = [(x, y) for x, y in zip(xs, values, strict=True) if y is not None]
+        if shown:
+            ax.plot([x for x, _ in shown], [y for _, y in shown], marker="o", color=color, label=name)
+        for x, y in shown:
+            ax.annotate(short(y), (x, y), xytext=(0, 7), textcoords="offset points", ha="center", fontsize=8)
+            if best is not None and x == best:
+                ax.plot([x], [y], marker="*", markersize=16, color=FAIL_COLOR, linestyle="none")
+        if best is not None:
+            ax.axvline(best, color=BASELINE_COLOR, linestyle=":", linewidth=1)
+        ax.xaxis.set_major_locator(FixedLocator(xs))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([f"{x:g}" for x in xs])
+        if len(xs) == 1:
+            ax.set_xlim(xs[0] - 1, xs[0] + 1)
+        ax.margins(y=0.15)
+        ax.set_xlabel("num_speculative_tokens")
+        ax.set_ylabel(name)
+    if best is not None:
+        axes[0].plot([], [], marker="*", markersize=12, color=FAIL_COLOR, linestyle="none", label=f"best: n={best}")
+    fig.suptitle(title, fontsize=11)
+    legend(fig)
+    return fig

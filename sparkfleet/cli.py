@@ -30,6 +30,7 @@ COMMANDS: dict[str, str] = {
     "ops": "sparkfleet.fleet_ops",
     "profile": "sparkfleet.profiles",
     "weights": "sparkfleet.hub_cache",
+    "tune": "sparkfleet.tune",
 }
 
 

@@ -7,7 +7,9 @@ Makefile uses to refuse an unknown PROFILE before anything runs.
 Layering of serve arguments, later wins: ``sparkfleet_serve_args_common`` (the recipe's defaults)
 → the profile's ``serve_args`` → ``sparkfleet_serve_args_platform`` (e.g. the sandbox's CPU flags)
 → ``sparkfleet_serve_args_host`` (one host's own tweaks, from its host_vars).
-A ``None`` value drops a flag that a lower layer set.
+A ``None`` value drops a flag that a lower layer set. Last, ``sparkfleet_tuned.<profile>`` (what
+`make tune` measured best on this host, in its host_vars) sets the speculative
+``num_speculative_tokens``.
 """
 
 from __future__ import annotations
@@ -87,11 +89,13 @@ def resolve(
     serve_args_platform: Mapping[str, Any] | None = None,
     env_platform: Mapping[str, Any] | None = None,
     serve_args_host: Mapping[str, Any] | None = None,
+    tuned: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The profile ``name`` with its serve arguments and environment fully layered.
 
     Returns a copy of the profile with ``name``, ``serve_args`` (flags with ``None`` removed) and
-    ``env`` (all values as strings).
+    ``env`` (all values as strings); ``tuned`` (the host's ``sparkfleet_tuned``) sets the speculative
+    ``num_speculative_tokens`` of the profile it names.
     """
     spec = get_profile(profiles, name)
     problems = profile_schema.profile_problems(name, spec)
@@ -103,6 +107,7 @@ def resolve(
         problems += profile_schema.serve_arg_problems(layer_name, layer or {})
     for layer_name, layer in (("sparkfleet_env_common", env_common), ("sparkfleet_env_platform", env_platform)):
         problems += profile_schema.env_problems(layer_name, layer or {})
+    problems += tuned_problems(name, spec, tuned)
     if problems:
         raise ProfileError("; ".join(problems))
     args: dict[str, Any] = {}
@@ -115,7 +120,58 @@ def resolve(
     resolved["name"] = name
     resolved["serve_args"] = {flag: value for flag, value in args.items() if value is not None}
     resolved["env"] = {key: str(value) for key, value in env.items() if value is not None}
+    tuning = (tuned or {}).get(name)
+    if tuning:
+        resolved = with_speculative_tokens(resolved, tuning["num_speculative_tokens"])
     return resolved
+
+
+def with_speculative_tokens(resolved: Mapping[str, Any], n: int) -> dict[str, Any]:
+    """The resolved profile drafting ``n`` tokens per step instead of its own number.
+
+    Its health gate's ``min_acceptance_length`` is set for its own n; what it asks of the drafter is the
+    accepted tokens per drafted position, (length - 1) / n, so that share is kept: a gate of 6.0 at n=12
+    asks 3.5 at n=6 and 12 at... no more than n + 1 can be accepted in a step.
+    """
+    out = plain(resolved)
+    speculative = out.get("speculative")
+    if not isinstance(speculative, Mapping) or not speculative.get("num_speculative_tokens"):
+        raise ProfileError(
+            f"profile {out.get('name', '?')!r} does not speculate: it has no num_speculative_tokens to set"
+        )
+    own = int(speculative["num_speculative_tokens"])
+    out["speculative"] = {**speculative, "num_speculative_tokens": int(n)}
+    health = out.get("health")
+    if isinstance(health, Mapping) and health.get("min_acceptance_length"):
+        per_position = (float(health["min_acceptance_length"]) - 1.0) / own
+        out["health"] = {**health, "min_acceptance_length": round(1.0 + per_position * int(n), 3)}
+    return out
+
+
+TUNED_HINT = (
+    "re-run make tune PROFILE={name} WORKLOAD=... for this host, or delete sparkfleet_tuned.{name} from its host_vars"
+)
+
+
+def tuned_problems(name: str, spec: Mapping[str, Any], tuned: Mapping[str, Any] | None) -> list[str]:
+    """What is wrong with the host's ``sparkfleet_tuned`` entry for profile ``name`` (empty: fine or none)."""
+    if tuned is None:
+        return []
+    if not isinstance(tuned, Mapping):
+        return [f"sparkfleet_tuned is {tuned!r}, not a mapping of profile -> tuning: fix it in the host's host_vars"]
+    tuning = tuned.get(name)
+    if tuning is None:
+        return []
+    where = f"sparkfleet_tuned.{name}"
+    hint = TUNED_HINT.format(name=name)
+    if not isinstance(tuning, Mapping) or "num_speculative_tokens" not in tuning:
+        return [f"{where} is {tuning!r}; it needs num_speculative_tokens: {hint}"]
+    n = tuning["num_speculative_tokens"]
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 32:
+        return [f"{where}.num_speculative_tokens is {n!r}, not a whole number from 1 to 32: {hint}"]
+    if not isinstance(spec.get("speculative"), Mapping):
+        return [f"{where} tunes num_speculative_tokens, but profile {name!r} does not speculate: {hint}"]
+    return []
 
 
 def errors(resolved: Mapping[str, Any], refused: list[Mapping[str, Any]] | None) -> list[str]:

@@ -46,7 +46,8 @@ def load_all(results_dir: Path) -> tuple[list[dict[str, Any]], list[str]]:
     loaded, skipped = [], []
     # results/<host>/<time>-<method>.json as `make bench` fetches them (latest.json repeats one)
     for path in sorted(results_dir.rglob("*.json")):
-        if path.name == "latest.json":
+        # latest.json repeats a result; tune/ holds `make tune`'s runs, each at another n than its profile's
+        if path.name == "latest.json" or path.relative_to(results_dir).parts[0] == "tune":
             continue
         try:
             result = load_result(path)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.sandbox.conftest import sandbox_fleet  # noqa: F401 - the fleet fixture, shared
 
@@ -75,3 +77,19 @@ def converged_fleet(sandbox_fleet):  # noqa: F811 - the fixture imported above
     assert run.returncode == 0, run.output[-4000:]
     assert set(run.recap) >= set(sandbox_fleet.names)
     return run
+
+
+@pytest.fixture
+def inventory_with_host_vars(tmp_path: Path):
+    """A copy of the sandbox inventory to which a test adds host_vars (the real one stays clean)."""
+    inv = tmp_path / "inventory"
+    inv.mkdir()
+    shutil.copy(ROOT / "inventory/sandbox/hosts.yml", inv / "hosts.yml")
+    (inv / "group_vars").symlink_to(ROOT / "inventory/sandbox/group_vars")
+    (inv / "host_vars").mkdir()
+
+    def add(host: str, variables: dict) -> str:
+        (inv / "host_vars" / f"{host}.yml").write_text(yaml.safe_dump(variables))
+        return str(inv)
+
+    return add

@@ -10,7 +10,6 @@ so vLLM refuses to start and the host's health gate fails.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -43,22 +42,6 @@ def enabled(fleet, host: str, unit: str) -> str:
 
 def main_pid(fleet, host: str, unit: str) -> str:
     return fleet.ssh(host, f"systemctl show -p MainPID --value {unit}").stdout.strip()
-
-
-@pytest.fixture
-def inventory_with_host_vars(tmp_path: Path):
-    """A copy of the sandbox inventory to which a test adds host_vars (the real one stays clean)."""
-    inv = tmp_path / "inventory"
-    inv.mkdir()
-    shutil.copy(ROOT / "inventory/sandbox/hosts.yml", inv / "hosts.yml")
-    (inv / "group_vars").symlink_to(ROOT / "inventory/sandbox/group_vars")
-    (inv / "host_vars").mkdir()
-
-    def add(host: str, variables: dict) -> str:
-        (inv / "host_vars" / f"{host}.yml").write_text(yaml.safe_dump(variables))
-        return str(inv)
-
-    return add
 
 
 def test_switch_to_dense_and_back(converged_fleet, sandbox_fleet) -> None:

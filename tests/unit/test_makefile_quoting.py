@@ -59,3 +59,28 @@ def test_every_variable_an_operator_sets_is_quoted_in_the_commands() -> None:
     assert "sparkfleet_rolling_bench_methods='decode'" in result.stdout
     logs = make("-n", "logs", "LINES=5; id", "LIMIT=h").stdout
     assert "--lines '5; id'" in logs and "-l 'h'" in logs
+
+
+@pytest.mark.parametrize(
+    ("variable", "template", "message"),
+    [
+        ("WORKLOAD", "code; touch {marker}", "is not a workload"),
+        ("WORKLOAD", "{{{{ lookup('pipe', 'touch {marker}') }}}}", "is not a workload"),
+        ("WORKLOAD", "", "is not a workload"),
+        ("RANGE", "4-8 $(touch {marker})", "is not a range"),
+        ("RANGE", "4,8'; touch {marker}; '", "is not a range"),
+    ],
+)
+def test_make_tune_refuses_a_hostile_workload_or_range_and_runs_nothing(
+    tmp_path: Path, variable: str, template: str, message: str
+) -> None:
+    """WORKLOAD and RANGE reach ansible-playbook as extra vars, which Ansible templates: anything but a
+    workload name or a range is refused before a playbook runs (a Jinja expression included)."""
+    marker = tmp_path / "ran"
+    values = {"WORKLOAD": "code", "RANGE": "4-16:2", variable: template.format(marker=marker)}
+    result = make("tune", "PROFILE=dflash", *(f"{k}={v}" for k, v in values.items()))
+    assert result.returncode == 2, result.stdout + result.stderr
+    line = result.stderr.strip().splitlines()[0]
+    assert line.startswith(f"make tune: {variable}=") and message in line, result.stderr
+    assert "ansible-playbook" not in result.stdout
+    assert not marker.exists()
