@@ -114,10 +114,14 @@ def test_tune_serves_and_records_the_best_n_and_an_interrupted_tune_goes_back(
         # the interrupted tune wrote nothing
         assert yaml.safe_load(vars_file.read_text())["sparkfleet_tuned"]["dflash"]["num_speculative_tokens"] == winner
     finally:
-        # the whole deploy path, so that the last good state is the fleet's again too
-        restore = run_playbook("site.yml", "--limit", host, "-e", "sparkfleet_profile=dflash")
+        # the whole deploy path, so that the last good state is the fleet's again too; its restart prints
+        # a progress line (the unit's state and last journal line) every 2 s instead of 30
+        restore = run_playbook(
+            "site.yml", "--limit", host, "-e", "sparkfleet_profile=dflash", "-e", "vllm_service_progress_interval=2"
+        )
         assert restore.returncode == 0, restore.output[-4000:]
     assert served_n(sandbox_fleet, host) == 12
+    assert re.search(rf"\[{host}\] {DFLASH} activating \(start(-post)?\), \d+ s: \S", restore.output), restore.output
     assert state_without_startup(sandbox_fleet, host, "/etc/sparkfleet/last-good/state.json") == (
         state_without_startup(sandbox_fleet, host, "/etc/sparkfleet/state.json")
     )
