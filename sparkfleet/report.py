@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import re
 import sys
 from collections import defaultdict
@@ -519,6 +520,40 @@ def concurrency_sweep(report: ReportWriter, runs: list[dict[str, Any]], key: str
     )
 
 
+def tune_section(report: ReportWriter, results_dir: Path) -> None:
+    """`make tune`'s records (results/tune/<host>/*-tune-*.json): the table and chart of each."""
+    from sparkfleet import tune  # its chart is charts.tune_figure
+
+    records = []
+    for path in sorted((results_dir / "tune").glob("*/*-tune-*.json")):
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            rows = [tune.Row(**row) for row in record["rows"]]
+            records.append((record, rows, path))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            report.add(f"- skipped tuning record {path.relative_to(results_dir)}: {exc}")
+    if not records:
+        return
+    report.add("## Tuning num_speculative_tokens (make tune)", "")
+    for record, rows, path in records:
+        winner = next((row for row in rows if row.n == record["winner"]["num_speculative_tokens"]), None)
+        report.add(
+            f"### {record['host']} / {record['profile']} on {record['workload']} ({record['utc_time']})",
+            "",
+            f"Best: n={record['winner']['num_speculative_tokens']} (what the tune serves and records in the host's "
+            f"`sparkfleet_tuned.{record['profile']}` once its gate passes); record "
+            f"`{path.relative_to(results_dir).as_posix()}`.",
+            "",
+            tune.table(rows, winner, record.get("refused") or []),
+            "",
+        )
+        report.plot(
+            slug("tune", record["host"], record["profile"], record["workload"], record["utc_time"]),
+            tune.chart_png(f"{record['host']} {record['profile']}: n on {record['workload']}", rows, winner),
+            f"decode tok/s and acceptance against num_speculative_tokens, {record['host']}",
+        )
+
+
 def build_report(results_dir: Path, out: Path) -> ReportWriter:
     results, skipped = load_all(results_dir)
     report = ReportWriter(out)
@@ -532,7 +567,8 @@ def build_report(results_dir: Path, out: Path) -> ReportWriter:
     if skipped:
         report.add("Skipped files:", *[f"- {line}" for line in skipped], "")
     if not results:
-        report.add("No results yet: run `sparkfleet bench decode|e2e|serving` (or `make bench`).")
+        report.add("No results yet: run `sparkfleet bench decode|e2e|serving` (or `make bench`).", "")
+        tune_section(report, results_dir)
         return report
     groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
     for result in results:
@@ -572,6 +608,8 @@ def build_report(results_dir: Path, out: Path) -> ReportWriter:
                 concurrency_sweep(report, of_kind, key)
             if len(of_kind) > 1:
                 over_time(report, of_kind, kind, key)
+
+    tune_section(report, results_dir)
 
     by_profile: dict[str, dict[str, dict[str, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
     for result in results:  # sorted by time: the last assignment is the latest

@@ -293,3 +293,34 @@ def test_the_tune_command_is_registered() -> None:
         [sys.executable, "-m", "sparkfleet", "tune", "--help"], cwd=ROOT, capture_output=True, text=True, check=False
     )
     assert out.returncode == 0 and "candidates" in out.stdout and "finish" in out.stdout and "record" in out.stdout
+
+
+def test_the_report_shows_each_tuning(tmp_path: Path) -> None:
+    """`make report` renders results/tune/<host>/*-tune-*.json: the table and the chart; the decode runs
+    of a tune (each at another n than the profile's) stay out of the profile's sections."""
+    from sparkfleet import report
+
+    results = tmp_path / "results"
+    runs = []
+    for n, tok_s in ((4, 41.0), (8, 47.5)):
+        result = decode_result("code", tok_s, tok_s, 1 + n / 3)
+        runs.append({"n": n, "result": result})
+    host_dir = results / "tune" / "spark-01"
+    host_dir.mkdir(parents=True)
+    (host_dir / "20261203T160448Z-decode.json").write_text(json.dumps(runs[0]["result"]))  # a tune's decode run
+    measurements = tmp_path / "m.json"
+    measurements.write_text(json.dumps({"runs": runs, "refused": [{"n": 16, "reason": "the step budget"}]}))
+    args = tune.argparse.Namespace(
+        measurements=str(measurements), host="spark-01", profile="dflash", workload="code", out_dir=str(host_dir)
+    )
+    assert tune._finish(args) == 0
+    out = tmp_path / "report.md"
+    (results / "spark-02").mkdir()
+    written = report.build_report(results, out)
+    written.write()
+    text = out.read_text()
+    assert "## Tuning num_speculative_tokens (make tune)" in text and "### spark-01 / dflash on code" in text
+    assert "|  8 | 47.5 | client | 3.67 |" in text and "BEST" in text and "refused: the step budget" in text
+    assert any(p.name.startswith("tune-spark-01-dflash-code") for p in written.plots)
+    # the tune's decode run is neither a profile run nor a skipped file
+    assert "spark-01 / dflash" not in text.split("## Tuning")[0] and "Skipped files" not in text
