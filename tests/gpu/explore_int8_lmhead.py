@@ -16,7 +16,9 @@ and of the kernels, which also timed designs no longer in the tree (a CUDA-core 
 from per-block maxima with per-token candidate lists; one re-scoring program per vocab block; the
 exact path stage by stage). Run: ``python3 tests/gpu/explore_int8_lmhead.py --json OUT.json``;
 ``--exact-only --old OLD.py`` times only the exact path: the old module against this one's re-scoring
-variants (``EXACT_VARIANTS``; logs explore7-9).
+variants (``EXACT_VARIANTS``; logs explore7-9). ``--profile [--old OLD.py]`` (explore13) profiles each
+module's exact path kernel by kernel (torch.profiler over a CUDA graph replay: device time of every kernel
+and the gaps between them) next to the kernel alone and the bf16 GEMM.
 """
 
 from __future__ import annotations
@@ -376,6 +378,94 @@ def explore_trace(L, weight, x, log) -> dict:
     return out
 
 
+def profile_kernels(fn, calls: int = GRAPH_CALLS, replays: int = 5) -> dict:
+    """Per-kernel device time inside a CUDA graph of ``calls`` back-to-back calls (torch.profiler, CUPTI):
+    for each kernel of one call, in launch order, its median duration and the median gap from the end of
+    the kernel before it (negative: it overlapped, programmatic dependent launch); and the call's span."""
+    import os
+    import tempfile
+
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    del graph
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        events = json.loads(Path(path).read_text()).get("traceEvents", [])
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: float(e["ts"]))
+    if not kernels or len(kernels) % (calls * replays):
+        return {"error": f"{len(kernels)} kernel records for {calls * replays} calls"}
+    per_call = len(kernels) // (calls * replays)
+    names = [k["name"][:60] for k in kernels[:per_call]]
+    durs = [[] for _ in range(per_call)]
+    gaps = [[] for _ in range(per_call)]
+    spans = []
+    for c in range(calls * replays):
+        ks = kernels[c * per_call : (c + 1) * per_call]
+        for i, k in enumerate(ks):
+            start, dur = float(k["ts"]), float(k["dur"])
+            durs[i].append(dur)
+            if i > 0:
+                prev = ks[i - 1]
+                gaps[i].append(start - float(prev["ts"]) - float(prev["dur"]))
+            elif c > 0:
+                prev = kernels[c * per_call - 1]
+                gaps[i].append(start - float(prev["ts"]) - float(prev["dur"]))
+        spans.append(float(ks[-1]["ts"]) + float(ks[-1]["dur"]) - float(ks[0]["ts"]))
+    med = lambda v: round(statistics.median(v), 2) if v else None  # noqa: E731
+    return {
+        "kernels": [
+            {"name": n, "us": med(d), "gap_before_us": med(g)} for n, d, g in zip(names, durs, gaps, strict=True)
+        ],
+        "span_us": med(spans),
+    }
+
+
+def explore_profile(modules: dict, weight, x, log, batches=(1, 4, 16)) -> dict:
+    """Where the exact path's time goes: graph time and per-kernel profile of each module's exact path
+    and kernel alone (``modules``: name -> module), next to the bf16 GEMM (explore13)."""
+    import torch
+
+    out: dict = {}
+    for b in batches:
+        xb = x[:b].contiguous()
+        out[f"bf16_b{b}"] = t_graph(lambda xb=xb: torch.nn.functional.linear(xb, weight))
+        log(f"bf16 b={b}: {out[f'bf16_b{b}'] * 1e3:.1f} us")
+    for name, mod in modules.items():
+        packed = mod.quantize_lm_head_weight(weight, tile=mod.weight_tile())
+        for b in batches:
+            xb = x[:b].contiguous()
+            ref = torch.nn.functional.linear(xb, weight).argmax(-1)
+            for path, exact in (("kernel", False), ("exact", True)):
+                fn = lambda xb=xb, e=exact, m=mod, p=packed: m.int8_lm_head_logits(xb, p, weight, exact_argmax=e)  # noqa: E731
+                rec = {"graph_ms": t_graph(fn), "profile": profile_kernels(fn)}
+                if exact:
+                    rec["argmax_ok"] = bool(torch.equal(fn().argmax(-1), ref))
+                    rec["x_bf16"] = out[f"bf16_b{b}"] / rec["graph_ms"]
+                out[f"{name}_{path}_b{b}"] = rec
+                log(f"profile {name} {path} b={b}: {rec}")
+        del packed
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", required=True)
@@ -388,6 +478,9 @@ def main() -> int:
     )
     parser.add_argument("--rescore", action="store_true", help="the re-scoring kernel only (explore10)")
     parser.add_argument("--trace", action="store_true", help="the re-scoring kernel's timestamps (explore12)")
+    parser.add_argument(
+        "--profile", action="store_true", help="per-kernel profile of the exact path (explore13); --old too"
+    )
     args = parser.parse_args()
 
     import torch
@@ -418,6 +511,17 @@ def main() -> int:
     weight = (torch.randn(rows, hidden, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
     x = torch.randn(64, hidden, device="cuda", generator=gen).to(torch.bfloat16)
     n8 = rows * hidden
+
+    if args.profile:
+        modules = {"new": L}
+        if args.old:
+            spec = importlib.util.spec_from_file_location("old_int8_lmhead", args.old)
+            old = importlib.util.module_from_spec(spec)
+            sys.modules["old_int8_lmhead"] = old
+            spec.loader.exec_module(old)
+            modules = {"old": old, "new": L}
+        res["profile"] = explore_profile(modules, weight, x, log)
+        return finish()
 
     if args.trace:
         res["trace"] = explore_trace(L, weight, x, log)
