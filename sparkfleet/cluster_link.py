@@ -61,14 +61,20 @@ class Link:
         return self.admin_up and self.carrier and self.operstate in ("UP", "UNKNOWN")
 
 
-def parse_ip_link_json(text: str, source: str = "ip -d -j link show") -> dict[str, Link]:
-    """``{name: Link}`` in the order ``ip`` lists them, from ``ip [-d] -j [-p] link show``."""
+def _json_objects(text: str, source: str, what: str, hint: str = "") -> list[dict[str, Any]]:
+    """``ip -j``'s output: a JSON list of objects, or ClusterLinkError naming ``source``."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ClusterLinkError(f"{source} is not JSON ({exc.msg} at line {exc.lineno}): run {source}") from exc
     if not isinstance(data, list) or not all(isinstance(entry, dict) for entry in data):
-        raise ClusterLinkError(f"{source} is not a JSON list of links: run {source} (iproute2 4.13 or newer)")
+        raise ClusterLinkError(f"{source} is not a JSON list of {what}: run {source}{hint}")
+    return data
+
+
+def parse_ip_link_json(text: str, source: str = "ip -d -j link show") -> dict[str, Link]:
+    """``{name: Link}`` in the order ``ip`` lists them, from ``ip [-d] -j [-p] link show``."""
+    data = _json_objects(text, source, "links", " (iproute2 4.13 or newer)")
     links: dict[str, Link] = {}
     for entry in data:
         name = entry.get("ifname")
@@ -120,12 +126,7 @@ def parse_ip_link(text: str, source: str | None = None) -> dict[str, Link]:
 
 def parse_ip_addr(text: str, source: str = "ip -j addr show") -> dict[str, tuple[IPv4Interface, ...]]:
     """``{name: (IPv4 address/prefix, ...)}`` in listed order from ``ip -j [-p] addr show``; IPv6 is left out."""
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ClusterLinkError(f"{source} is not JSON ({exc.msg} at line {exc.lineno}): run {source}") from exc
-    if not isinstance(data, list) or not all(isinstance(entry, dict) for entry in data):
-        raise ClusterLinkError(f"{source} is not a JSON list of interfaces: run {source}")
+    data = _json_objects(text, source, "interfaces")
     addresses: dict[str, tuple[IPv4Interface, ...]] = {}
     for entry in data:
         name = entry.get("ifname")
