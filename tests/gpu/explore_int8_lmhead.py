@@ -45,8 +45,8 @@ def t_flush(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
 
 
-def t_graph(fn, calls: int = GRAPH_CALLS, replays: int = GRAPH_REPLAYS) -> float:
-    """Median time of one call (ms) over replays of a CUDA graph of ``calls`` back-to-back calls."""
+def capture_graph(fn, calls: int):
+    """A CUDA graph of ``calls`` back-to-back calls of ``fn`` (warmed up outside the capture), replayed once."""
     import torch
 
     stream = torch.cuda.Stream()
@@ -62,6 +62,14 @@ def t_graph(fn, calls: int = GRAPH_CALLS, replays: int = GRAPH_REPLAYS) -> float
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def t_graph(fn, calls: int = GRAPH_CALLS, replays: int = GRAPH_REPLAYS) -> float:
+    """Median time of one call (ms) over replays of a CUDA graph of ``calls`` back-to-back calls."""
+    import torch
+
+    graph = capture_graph(fn, calls)
     times = []
     for _ in range(replays):
         start = torch.cuda.Event(enable_timing=True)
@@ -387,19 +395,7 @@ def profile_kernels(fn, calls: int = GRAPH_CALLS, replays: int = 5) -> dict:
 
     import torch
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = capture_graph(fn, calls)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             graph.replay()
