@@ -717,6 +717,30 @@ def plan(
     return result
 
 
+def plan_for_profile(
+    target_config: dict[str, Any],
+    drafter_config: dict[str, Any] | None,
+    num_speculative_tokens: int,
+    patched: bool,
+    *,
+    drafter_path: str | None = None,
+    platform: str = "cuda",
+    serve_args: dict[str, Any] | None = None,
+) -> KVPlan:
+    """``plan`` as a deploy judges a profile: the drafter named by its config's directory (a revision's
+    snapshot), the profile's resolved serve_args read by ``serving_options``. The preflight's lookup and
+    ``make tune``'s vetting both plan through this."""
+    return plan(
+        target_config,
+        drafter_config,
+        num_speculative_tokens,
+        patched,
+        drafter_label=Path(drafter_path).parent.name if drafter_path else None,
+        platform=platform,
+        **serving_options(serve_args),
+    )
+
+
 def _plan(
     target_config: dict[str, Any],
     drafter_config: dict[str, Any] | None,

@@ -148,6 +148,9 @@ def with_speculative_tokens(resolved: Mapping[str, Any], n: int) -> dict[str, An
     return out
 
 
+# The most num_speculative_tokens a tune tries or a host's sparkfleet_tuned may set: vLLM takes any
+# positive n; past this a drafter's later positions accept next to nothing.
+MAX_SPECULATIVE_TOKENS = 32
 TUNED_HINT = (
     "re-run make tune PROFILE={name} WORKLOAD=... for this host, or delete sparkfleet_tuned.{name} from its host_vars"
 )
@@ -167,8 +170,10 @@ def tuned_problems(name: str, spec: Mapping[str, Any], tuned: Mapping[str, Any] 
     if not isinstance(tuning, Mapping) or "num_speculative_tokens" not in tuning:
         return [f"{where} is {tuning!r}; it needs num_speculative_tokens: {hint}"]
     n = tuning["num_speculative_tokens"]
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 32:
-        return [f"{where}.num_speculative_tokens is {n!r}, not a whole number from 1 to 32: {hint}"]
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SPECULATIVE_TOKENS:
+        return [
+            f"{where}.num_speculative_tokens is {n!r}, not a whole number from 1 to {MAX_SPECULATIVE_TOKENS}: {hint}"
+        ]
     if not isinstance(spec.get("speculative"), Mapping):
         return [f"{where} tunes num_speculative_tokens, but profile {name!r} does not speculate: {hint}"]
     return []

@@ -28,13 +28,12 @@ from typing import Any
 
 import yaml
 
-from sparkfleet import kv_page_plan
+from sparkfleet import kv_page_plan, profiles
 
 DEFAULT_RANGE = "4-16:2"
-# vLLM takes any positive n; past this a drafter's later positions accept next to nothing.
-MAX_N = 32
+MAX_N = profiles.MAX_SPECULATIVE_TOKENS
 TUNED_VAR = "sparkfleet_tuned"
-RANGE_HINT = "give a range as FIRST-LAST[:STEP] (e.g. 4-16:2) or a list (e.g. 4,8,12), each from 1 to 32"
+RANGE_HINT = f"give a range as FIRST-LAST[:STEP] (e.g. 4-16:2) or a list (e.g. 4,8,12), each from 1 to {MAX_N}"
 # host_vars/<host> as Ansible's host_group_vars plugin finds it: the first of these that exists wins
 # (a directory named <host> included), and only that one is read.
 HOST_VARS_ENDINGS = ("", ".yml", ".yaml", ".json")
@@ -79,17 +78,16 @@ def vet(candidates: Sequence[int], kv_inputs: Mapping[str, Any]) -> tuple[list[i
     target = kv_page_plan.load_config(kv_inputs["target_config"])
     drafter_path = kv_inputs.get("drafter_config")
     drafter = kv_page_plan.load_config(drafter_path) if drafter_path else None
-    options = kv_page_plan.serving_options(kv_inputs.get("serve_args") or {})
     accepted, refused = [], []
     for n in candidates:
-        plan = kv_page_plan.plan(
+        plan = kv_page_plan.plan_for_profile(
             target,
             drafter,
             n,
             bool(kv_inputs.get("patched", True)),
-            drafter_label=Path(drafter_path).parent.name if drafter_path else None,
+            drafter_path=drafter_path,
             platform=kv_inputs.get("platform") or "cuda",
-            **options,
+            serve_args=kv_inputs.get("serve_args") or {},
         )
         if plan.ok:
             accepted.append(n)
@@ -316,10 +314,7 @@ def _finish(args: argparse.Namespace) -> int:
         if item.get("error"):
             rows.append(Row(n=int(item["n"]), error=str(item["error"])))
             continue
-        result = item["result"]
-        if not isinstance(result, Mapping):  # a result file's path
-            result = json.loads(Path(result).read_text(encoding="utf-8"))
-        rows.append(row_from_result(int(item["n"]), args.workload, result))
+        rows.append(row_from_result(int(item["n"]), args.workload, item["result"]))
     winner = best(rows)
     title = f"{args.host} {args.profile}: num_speculative_tokens on workload {args.workload}"
     out_dir = Path(args.out_dir)
@@ -378,7 +373,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cand.add_argument("--kv-plan", help="the deploy's KV plan inputs as JSON (target_config, drafter_config, ...)")
     cand.set_defaults(func=_guarded(_candidates))
     fin = steps.add_parser("finish", help="table, chart and the winner, written into the host's inventory vars")
-    fin.add_argument("--measurements", required=True, help="JSON: {runs: [{n, result|error}], refused: [...]}")
+    fin.add_argument(
+        "--measurements", required=True, help="JSON: {runs: [{n, result (a decode result) | error}], refused: [...]}"
+    )
     fin.add_argument("--host", required=True)
     fin.add_argument("--profile", required=True)
     fin.add_argument("--workload", required=True)

@@ -114,18 +114,16 @@ class LookupModule(LookupBase):
             return [{"available": False, "ok": None, "reason": f"{PLANNER} is not in {REPO_ROOT}", "plan": {}}]
         target = load_config(self.get_option("target_config"), "target_config")
         drafter = load_config(self.get_option("drafter_config"), "drafter_config")
-        drafter_path = self.get_option("drafter_config")
-        # the drafter's directory names it in the planner's messages (e.g. a revision's snapshot)
-        label = Path(drafter_path).parent.name if drafter_path else None
         try:
-            plan = planner.plan(
+            # the drafter's directory names it in the planner's messages (e.g. a revision's snapshot)
+            plan = planner.plan_for_profile(
                 target,
                 drafter,
                 self.get_option("num_speculative_tokens"),
                 self.get_option("patched"),
-                drafter_label=label,
+                drafter_path=self.get_option("drafter_config"),
                 platform=self.get_option("platform"),
-                **planner.serving_options(self.get_option("serve_args")),
+                serve_args=self.get_option("serve_args"),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise AnsibleLookupError(f"spark_kv_plan: the planner cannot read these configs: {exc}") from exc
