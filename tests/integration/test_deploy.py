@@ -45,7 +45,8 @@ def test_every_host_is_serving_and_summarised(deployed, sandbox_hosts, sandbox_f
         invocation = sandbox_fleet.ssh(host, f"systemctl show -P InvocationID {UNIT}").stdout.strip()
         assert recorded["invocation_id"] == invocation, (recorded, invocation)
         assert recorded["context_tokens"] == 1024 and recorded["kv_pool_tokens"] > 0, recorded
-        assert 0 < recorded["weights_load_s"] < recorded["ready_s"] < 900, recorded
+        # a tiny model on a fast host loads in "0.00 seconds": the figure is there, and no later than ready
+        assert 0 <= recorded["weights_load_s"] < recorded["ready_s"] < 900, recorded
         assert recorded["peak_service_bytes"] > 0 and recorded["min_available_bytes"] > 0, recorded
         assert recorded["free_at_ready_bytes"] > 0, recorded
 
