@@ -113,6 +113,18 @@ def test_tune_serves_and_records_the_best_n_and_an_interrupted_tune_goes_back(
         assert state_without_startup(sandbox_fleet, host, "/etc/sparkfleet/state.json") == good
         # the interrupted tune wrote nothing
         assert yaml.safe_load(vars_file.read_text())["sparkfleet_tuned"]["dflash"]["num_speculative_tokens"] == winner
+        unit_file, good_unit_file = f"/etc/systemd/system/{DFLASH}", f"/etc/sparkfleet/last-good/{DFLASH}"
+        assert sandbox_fleet.ssh(host, f"cmp {good_unit_file} {unit_file}").returncode == 0
+
+        # Ctrl-C between writing the new unit file and restarting it: the old process still serves and
+        # state.json is unchanged, but the next start would serve the new file; restore.yml puts it back
+        tamper = sandbox_fleet.ssh(host, f"sed -E -i 's/(num_speculative_tokens[^0-9]*)[0-9]+/\\1{other}/' {unit_file}")
+        assert tamper.returncode == 0 and served_n(sandbox_fleet, host) == other, tamper.stderr
+        interrupted = run_playbook("-i", str(inv), "playbooks/restore.yml", "--limit", host)
+        assert interrupted.returncode != 0, interrupted.output[-4000:]
+        assert "its unit file is not the last good one: putting it back" in interrupted.output, interrupted.output
+        assert sandbox_fleet.ssh(host, f"cmp {good_unit_file} {unit_file}").returncode == 0
+        assert served_n(sandbox_fleet, host) == winner
     finally:
         # the whole deploy path, so that the last good state is the fleet's again too; its restart prints
         # a progress line (the unit's state and last journal line) every 2 s instead of 30
