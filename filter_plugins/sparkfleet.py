@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 from ansible.errors import AnsibleFilterError
 
-# The repo root holds the sparkfleet package; the controller may run a system ansible-playbook.
-_ROOT = str(Path(__file__).resolve().parents[1])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from sparkfleet import doctor as _doctor  # noqa: E402
-from sparkfleet import model_pins as _model_pins  # noqa: E402
-from sparkfleet import profiles as _profiles  # noqa: E402
-from sparkfleet import unit_state as _unit_state  # noqa: E402
+# sparkfleet is installed in the controller venv (make venv), where ansible-playbook runs
+from sparkfleet import doctor as _doctor
+from sparkfleet import model_pins as _model_pins
+from sparkfleet import profiles as _profiles
+from sparkfleet import unit_state as _unit_state
 
 
 def sparkfleet_profile(

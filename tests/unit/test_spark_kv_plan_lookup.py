@@ -65,7 +65,7 @@ def test_without_the_planner_the_check_is_unavailable(kv_lookup: Any, monkeypatc
     monkeypatch.setattr(plugin_module, "PLANNER", "sparkfleet.kv_page_plan_not_written_yet")
     result = run(kv_lookup, target_config=TARGET, num_speculative_tokens=12)
     assert result["available"] is False
-    assert "sparkfleet.kv_page_plan_not_written_yet is not in" in result["reason"]
+    assert "sparkfleet.kv_page_plan_not_written_yet is not installed where ansible-playbook runs" in result["reason"]
 
 
 def test_missing_config_names_the_path_and_the_variable(kv_lookup: Any, tmp_path: Path) -> None:

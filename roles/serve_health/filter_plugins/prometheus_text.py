@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
-from pathlib import Path
 from typing import Any
 
 try:
@@ -22,12 +20,8 @@ except ImportError:  # the unit tests import this file without Ansible on the pa
         """Stand-in when Ansible is not importable."""
 
 
-# roles/serve_health/filter_plugins/prometheus_text.py -> the repo root, which holds sparkfleet/.
-_ROOT = str(Path(__file__).resolve().parents[3])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from sparkfleet.bench import metrics as _metrics  # noqa: E402
+# sparkfleet is installed in the controller venv (make venv), where ansible-playbook runs
+from sparkfleet.bench import metrics as _metrics
 
 METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 

@@ -7,18 +7,12 @@ dict: ``ok``, ``checked`` (false for a manifest with no CUDA code recorded: a CP
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 from ansible.errors import AnsibleFilterError
 
-# roles/spark_preflight/filter_plugins/spark_cuda.py -> the repo root, which holds sparkfleet/.
-_ROOT = str(Path(__file__).resolve().parents[3])
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
-
-from sparkfleet import cuda_arch as _cuda_arch  # noqa: E402
+# sparkfleet is installed in the controller venv (make venv), where ansible-playbook runs
+from sparkfleet import cuda_arch as _cuda_arch
 
 
 def spark_wheel_cuda_check(cuda: Any, compute_cap: Any) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Lookup ``spark_kv_plan``: ask sparkfleet.kv_page_plan, on the controller, whether a drafter's KV
 cache pages unify with the target's.
 
-Returns one dict: ``available`` (false when this tree does not carry ``sparkfleet.kv_page_plan``,
+Returns one dict: ``available`` (false when the Python running Ansible has no ``sparkfleet.kv_page_plan``,
 with ``reason`` saying so), ``ok``, ``reason`` and ``plan`` (the planner's answer as a dict).
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ short_description: Run sparkfleet's KV page planner on the controller
 description:
   - Loads the target's and the drafter's config.json on the controller and calls
     C(sparkfleet.kv_page_plan.plan(target_config, drafter_config, num_speculative_tokens, patched)).
-  - When this tree has no C(sparkfleet.kv_page_plan), returns C(available=false) instead of failing,
+  - When the Python that runs Ansible has no C(sparkfleet.kv_page_plan), returns C(available=false) instead of failing,
     so the check is skipped cleanly.
 options:
   target_config:
@@ -104,14 +103,13 @@ def plan_as_dict(plan: Any) -> dict[str, Any]:
 class LookupModule(LookupBase):
     def run(self, terms: list[Any], variables: dict[str, Any] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
         self.set_options(var_options=variables, direct=kwargs)
-        if str(REPO_ROOT) not in sys.path:
-            sys.path.insert(0, str(REPO_ROOT))
         try:
             planner = importlib.import_module(PLANNER)
         except ModuleNotFoundError as exc:
             if exc.name not in (PLANNER, "sparkfleet"):
                 raise AnsibleLookupError(f"spark_kv_plan: {PLANNER} needs {exc.name}, which is not installed") from exc
-            return [{"available": False, "ok": None, "reason": f"{PLANNER} is not in {REPO_ROOT}", "plan": {}}]
+            reason = f"{PLANNER} is not installed where ansible-playbook runs (the controller venv: make venv)"
+            return [{"available": False, "ok": None, "reason": reason, "plan": {}}]
         target = load_config(self.get_option("target_config"), "target_config")
         drafter = load_config(self.get_option("drafter_config"), "drafter_config")
         try:
