@@ -221,7 +221,10 @@ drift: $(VENV)/.stamp ## What a deploy of PROFILE would change, one line per hos
 	$(PLAYBOOK) site.yml --check --diff -e sparkfleet_profile=$(Q_PROFILE)
 
 OPS := $(PY) -m sparkfleet ops
-OPS_HOSTS = -i $(Q_INVENTORY) $(if $(LIMIT),-l $(call sh_quote,$(LIMIT)),)
+# hosts that become root with a sudo password: BECOME_PASSWORD_FILE=FILE, or ASK_BECOME_PASS=1 (asks, as -K)
+OPS_HOSTS = -i $(Q_INVENTORY) $(if $(LIMIT),-l $(call sh_quote,$(LIMIT)),) \
+	$(if $(BECOME_PASSWORD_FILE),--become-password-file $(call sh_quote,$(BECOME_PASSWORD_FILE)),) \
+	$(if $(ASK_BECOME_PASS),--ask-become-pass,)
 .PHONY: status logs restart quick-bench fleet-scale
 status: $(VENV)/.stamp ## One line per host: profile, unit, health, patch set, revisions, last tok/s [LIMIT=host]
 	$(OPS) status $(OPS_HOSTS)

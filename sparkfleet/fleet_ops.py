@@ -1,25 +1,31 @@
 """Ad-hoc fleet operations over SSH (Fabric): ``sparkfleet ops status|logs|restart|bench``.
 
 The hosts, their SSH settings and their sparkfleet variables come from the same inventory the
-playbooks use (``ansible-inventory -i INVENTORY --list``), so ops reaches a host exactly as Ansible
-does: the same user, key, port and known_hosts file, and an unknown or changed host key is refused
-(``StrictHostKeyChecking`` from ``ansible_ssh_common_args``; no ``~/.ssh/config`` is read).
+playbooks use (``ansible-inventory -i INVENTORY --list``), and each host's SSH is resolved the way
+Ansible's ssh connection resolves it: OpenSSH itself (``ssh -G``) reads the host's ``ansible_port``,
+``ansible_user``, key and ``ansible_ssh_common_args``/``ansible_ssh_extra_args`` (``-F`` configs and
+``~/.ssh/config`` included), so a ``Host`` block, ``ProxyJump`` or ``ProxyCommand`` that Ansible
+honours reaches ops too. An unknown or changed host key is refused unless the resolved
+``StrictHostKeyChecking`` says otherwise. Root work goes through ``sudo`` where the inventory says
+``ansible_become``: ``-n`` without a password, else the password from ``ansible_become_password``,
+``--become-password-file`` or ``-K``, fed on stdin (never in argv).
 
 Each host's work runs in its own thread (``--forks``, default 16) and opens its own connection; the
 result is printed in inventory order once every host has answered::
 
     sparkfleet ops status [-i inventory/sandbox] [-l spark-01,spark-02] [--json]
     sparkfleet ops logs --lines 50
-    sparkfleet ops restart -l spark-03 [--batch 1] [--timeout 900]
+    sparkfleet ops restart -l spark-03 [--batch 1]
     sparkfleet ops bench [--max-requests 2 --max-tokens-scale 0.25] [--out results]
 
 What a host serves is read from ``/etc/sparkfleet/state.json`` (written by the vllm_service role);
 health is probed from the host itself (the API binds to loopback) with the host's own python3, so
-nothing but sshd and python3 is needed there. ``bench`` copies the benchmark clients
-(``sparkfleet.bench``) to ``<sparkfleet_root>/lib`` and runs them with the service venv's Python
-(they import httpx and prometheus_client, which vLLM brings); the result lands in
-``<sparkfleet_state_dir>/bench/`` (``latest.json`` is what ``status`` shows) and a copy comes back
-to ``--out``.
+nothing but sshd and python3 is needed there. ``restart`` is ``systemctl restart`` under the host's
+lock: the unit's own start gate (``ExecStartPost=sparkfleet-wait-healthy``) decides whether it came
+back, as for every deploy. ``bench`` copies the benchmark clients (``sparkfleet.bench``) to
+``<sparkfleet_root>/lib`` and runs them with the service venv's Python (they import httpx and
+prometheus_client, which vLLM brings); the result lands in ``<sparkfleet_state_dir>/bench/``
+(``latest.json`` is what ``status`` shows) and a copy comes back to ``--out``.
 
 Exit codes: 0 every host is fine, 1 at least one host failed (each says why on its own line),
 2 bad input (inventory, arguments).
@@ -28,8 +34,10 @@ Exit codes: 0 every host is fine, 1 at least one host failed (each says why on i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import getpass
+import io
 import json
 import re
 import shlex
@@ -54,16 +62,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 # What `ops bench` copies to a host: the bench clients and their prompt sets (run with the service venv's Python).
 BENCH_PAYLOAD_GLOBS = ("__init__.py", "bench/*.py", "data/workloads/*.json")
 
-# Inventory variables and their defaults (inventory/group_vars/all/sparkfleet.yml).
-DEFAULTS: dict[str, Any] = {
-    "sparkfleet_profile": "dflash",
-    "sparkfleet_root": "/opt/sparkfleet",
-    "sparkfleet_state_dir": "/var/lib/sparkfleet",
-    "sparkfleet_config_dir": "/etc/sparkfleet",
-    "sparkfleet_api_port": 8000,
-    "sparkfleet_served_model_name": "qwen",
-    "ansible_python_interpreter": "/usr/bin/python3",
-}
+# Ansible's own defaults for its connection variables. sparkfleet's variables have no copy here: ops
+# reads them from the inventory as the playbooks do (its group_vars/all links the repo's defaults).
+ANSIBLE_DEFAULTS: dict[str, Any] = {"ansible_python_interpreter": "/usr/bin/python3", "ansible_become_user": "root"}
+SPARKFLEET_DEFAULTS_FILE = "inventory/group_vars/all/sparkfleet.yml"
 
 # Runs on the host with its python3 (standard library only): what it serves, its unit, health, last bench.
 # argv: config_dir state_dir fallback_unit fallback_port
@@ -136,30 +138,6 @@ except (OSError, ValueError) as exc:
 print(json.dumps(report))
 """
 
-# Waits on the host until GET <base_url>/health answers 200. argv: base_url timeout_s
-WAIT_HEALTH_SCRIPT = r"""
-import json, sys, time, urllib.error, urllib.request
-base, timeout = sys.argv[1], float(sys.argv[2])
-opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-start = time.monotonic()
-last = "no answer yet"
-while True:
-    try:
-        with opener.open(base + "/health", timeout=10) as response:
-            if response.status == 200:
-                print(json.dumps({"healthy": True, "waited_s": time.monotonic() - start}))
-                sys.exit(0)
-            last = "http %d" % response.status
-    except urllib.error.HTTPError as exc:
-        last = "http %d" % exc.code
-    except (OSError, ValueError) as exc:
-        last = str(getattr(exc, "reason", exc))
-    if time.monotonic() - start >= timeout:
-        print(json.dumps({"healthy": False, "waited_s": time.monotonic() - start, "last": last}))
-        sys.exit(1)
-    time.sleep(2)
-"""
-
 
 class OpsError(Exception):
     """Bad input (inventory, arguments): one line naming the value and the fix."""
@@ -174,16 +152,16 @@ class HostFailure(Exception):
 
 @dataclass(frozen=True)
 class SSHSettings:
-    """How to reach a host, as Ansible's ssh connection plugin would."""
+    """How to reach a host: OpenSSH's resolution (``ssh -G``) of the options Ansible passes for it."""
 
-    address: str
+    address: str  # the resolved HostName
     port: int
     user: str | None
-    key_files: tuple[str, ...]
+    key_files: tuple[str, ...]  # the identity files ssh would offer that exist
     known_hosts_files: tuple[str, ...]
     strict_host_key_checking: str  # "yes" | "accept-new" | "no"
     identities_only: bool
-    proxy_command: str | None = None
+    proxy_command: str | None = None  # ProxyCommand, or ProxyJump as `ssh -W`, every token expanded
 
 
 @dataclass(frozen=True)
@@ -200,6 +178,7 @@ class FleetHost:
     config_dir: str
     api_port: int
     served_model_name: str
+    become_password: str | None = field(default=None, repr=False)
 
     @property
     def fallback_unit(self) -> str:
@@ -207,56 +186,28 @@ class FleetHost:
         return f"sparkfleet-vllm-{self.profile}.service"
 
 
-def parse_ssh_args(text: str) -> dict[str, str]:
-    """OpenSSH ``-o Key=Value`` options (and ``-i``/``-p``/``-l``) of an ``ansible_ssh_*_args`` string.
-
-    Keys are lower-cased as ssh_config(5) treats them; ``-i`` may repeat (joined with newlines).
-    """
-    try:
-        words = shlex.split(text or "")
-    except ValueError as exc:
-        raise OpsError(f"ssh arguments {text!r} do not parse ({exc}); quote them as a shell would") from exc
-    options: dict[str, str] = {}
-    flag_keys = {"-i": "identityfile", "-p": "port", "-l": "user"}
-    index = 0
-    while index < len(words):
-        word = words[index]
-        value: str | None = None
-        key: str | None = None
-        if word == "-o" or word in flag_keys:
-            if index + 1 >= len(words):
-                raise OpsError(f"ssh arguments {text!r}: {word} needs a value")
-            value = words[index + 1]
-            index += 2
-        elif word.startswith("-o") or word[:2] in flag_keys:
-            value = word[2:]
-            word = word[:2]
-            index += 1
-        else:
-            index += 1
-            continue
-        if word == "-o":
-            option, sep, rest = value.partition("=")
-            if not sep:
-                option, _, rest = value.partition(" ")
-            key, value = option.strip().lower(), rest.strip()
-        else:
-            key = flag_keys[word]
-        if key == "identityfile" and key in options:
-            options[key] += "\n" + value
-        else:
-            options[key] = value
-    return options
-
-
-def _literal(host: str, variables: dict[str, Any], name: str) -> Any:
-    value = variables.get(name, DEFAULTS.get(name))
+def _literal(host: str, variables: dict[str, Any], name: str, default: Any = None) -> Any:
+    value = variables.get(name, default)
     if isinstance(value, str) and "{{" in value:
         raise OpsError(
             f"{host}: {name} is a template ({value!r}); ops reads `ansible-inventory --list`, which does not "
             f"render templates: give {name} a literal value in the inventory"
         )
+    if isinstance(value, dict) and "__ansible_vault" in value:
+        raise OpsError(
+            f"{host}: {name} is vault-encrypted, which `ansible-inventory --list` does not decrypt for ops; "
+            "pass the value another way (for a become password: --become-password-file FILE or -K)"
+        )
     return value
+
+
+def _required(host: str, variables: dict[str, Any], name: str) -> Any:
+    if name not in variables:
+        raise OpsError(
+            f"{host}: {name} is not set in the inventory; ops reads the playbooks' variables: link the "
+            f"inventory's group_vars/all/00-sparkfleet.yml to {SPARKFLEET_DEFAULTS_FILE} (as inventory/example does)"
+        )
+    return _literal(host, variables, name)
 
 
 def _as_bool(value: Any) -> bool:
@@ -275,53 +226,142 @@ def _as_port(host: str, name: str, value: Any) -> int:
     return port
 
 
-def fleet_host_from_vars(name: str, variables: dict[str, Any]) -> FleetHost:
-    """A FleetHost from one host's ``_meta.hostvars`` entry, checked."""
-    options: dict[str, str] = {}
-    for args_var in ("ansible_ssh_common_args", "ansible_ssh_extra_args"):
-        options.update(parse_ssh_args(str(_literal(name, variables, args_var) or "")))
-    if "proxyjump" in options:
-        raise OpsError(
-            f"{name}: ProxyJump in ansible_ssh_common_args is not supported by ops; "
-            "use -o ProxyCommand='ssh -W %h:%p JUMPHOST' instead"
-        )
-    address = str(_literal(name, variables, "ansible_host") or options.get("hostname") or name)
-    port = _as_port(name, "ansible_port", _literal(name, variables, "ansible_port") or options.get("port") or 22)
-    user = _literal(name, variables, "ansible_user") or options.get("user")
-    key_files: list[str] = []
-    key_var = _literal(name, variables, "ansible_ssh_private_key_file") or _literal(
-        name, variables, "ansible_private_key_file"
+def ssh_binary() -> str:
+    found = shutil.which("ssh")
+    if not found:
+        raise OpsError("no ssh client on PATH: install openssh-client (Ansible's ssh connection needs it too)")
+    return found
+
+
+def ssh_words(host: str, variables: dict[str, Any]) -> list[str]:
+    """The ssh options Ansible's ssh connection passes for this host, in its order: port, key and user
+    first, then ``ansible_ssh_common_args`` and ``ansible_ssh_extra_args`` (for OpenSSH the first value
+    of an option wins, so the inventory's port and user beat a ``-o Port=`` in the arguments)."""
+    words: list[str] = []
+    port = _literal(host, variables, "ansible_port") or _literal(host, variables, "ansible_ssh_port")
+    if port:
+        words += ["-o", f"Port={_as_port(host, 'ansible_port', port)}"]
+    key = _literal(host, variables, "ansible_ssh_private_key_file") or _literal(
+        host, variables, "ansible_private_key_file"
     )
-    if key_var:
-        key_files.append(str(Path(str(key_var)).expanduser()))
-    if options.get("identityfile"):
-        key_files.extend(str(Path(p).expanduser()) for p in options["identityfile"].split("\n"))
-    known_hosts = tuple(str(Path(p).expanduser()) for p in options.get("userknownhostsfile", "").split() if p)
-    strict = options.get("stricthostkeychecking", "yes").lower()
+    if key:
+        words += ["-o", f"IdentityFile={Path(str(key)).expanduser()}"]
+    user = _literal(host, variables, "ansible_user") or _literal(host, variables, "ansible_ssh_user")
+    if user:
+        words += ["-o", f"User={user}"]
+    for name in ("ansible_ssh_common_args", "ansible_ssh_extra_args"):
+        text = str(_literal(host, variables, name) or "")
+        try:
+            words += shlex.split(text)
+        except ValueError as exc:
+            raise OpsError(f"{host}: {name} {text!r} does not parse ({exc}); quote it as a shell would") from exc
+    return words
+
+
+def parse_ssh_config_dump(text: str) -> dict[str, list[str]]:
+    """``ssh -G`` output: lower-case keyword -> its values in order (IdentityFile and the like repeat)."""
+    resolved: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        key, _, value = line.strip().partition(" ")
+        if key:
+            resolved.setdefault(key.lower(), []).append(value.strip())
+    return resolved
+
+
+def expand_ssh_tokens(text: str, hostname: str, port: int, user: str | None, original: str) -> str:
+    """ssh_config(5)'s %h %p %r %n %% in a ProxyCommand (paramiko runs it as is)."""
+    values = {"h": hostname, "p": str(port), "r": user or "", "n": original, "%": "%"}
+    return re.sub(r"%(.)", lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+def jump_command(jumps: str, hostname: str, port: int, passthrough: Sequence[str]) -> str:
+    """ProxyJump as the ``ssh -W`` command OpenSSH itself runs for it: the last jump carries the
+    stream, earlier ones stay a ``-J`` chain; ``-F`` configs are passed on, as ssh passes them."""
+    *earlier, last = [hop.strip() for hop in jumps.split(",") if hop.strip()]
+    target = f"[{hostname}]:{port}" if ":" in hostname else f"{hostname}:{port}"
+    hop = last.removeprefix("ssh://")
+    user, _, rest = hop.rpartition("@")
+    name, jump_port = rest, ""
+    if rest.startswith("["):
+        name, _, tail = rest[1:].partition("]")
+        jump_port = tail.removeprefix(":")
+    elif rest.count(":") == 1:
+        name, _, jump_port = rest.partition(":")
+    argv = ["ssh", *passthrough]
+    if earlier:
+        argv += ["-J", ",".join(earlier)]
+    if user:
+        argv += ["-l", user]
+    if jump_port:
+        argv += ["-p", jump_port]
+    return shlex.join([*argv, "-W", target, name])
+
+
+def resolve_ssh(host: str, variables: dict[str, Any]) -> SSHSettings:
+    """The host's SSH as OpenSSH resolves Ansible's options for it (``ssh -G``, which reads -F configs,
+    ~/.ssh/config and /etc/ssh/ssh_config exactly as the ssh Ansible runs would)."""
+    original = str(_literal(host, variables, "ansible_host") or host)
+    words = ssh_words(host, variables)
+    command = [ssh_binary(), "-G", *words, original]
+    proc = subprocess.run(command, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=30, check=False)
+    if proc.returncode != 0:
+        detail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise OpsError(
+            f"{host}: ssh refuses its options ({detail}); fix ansible_ssh_common_args or ansible_ssh_extra_args"
+        )
+    resolved = parse_ssh_config_dump(proc.stdout)
+
+    def one(key: str, default: str = "") -> str:
+        return (resolved.get(key) or [default])[0]
+
+    hostname = one("hostname", original)
+    port = _as_port(host, "Port (ssh -G)", one("port", "22"))
+    user = one("user") or None
+    strict = one("stricthostkeychecking", "true").lower()
     strict = {"true": "yes", "ask": "yes", "false": "no", "off": "no"}.get(strict, strict)
     if strict not in ("yes", "accept-new", "no"):
-        raise OpsError(f"{name}: StrictHostKeyChecking={strict!r} is not yes, accept-new or no")
+        raise OpsError(f"{host}: StrictHostKeyChecking={strict!r} is not yes, accept-new or no")
+    keys = [str(Path(p).expanduser()) for p in resolved.get("identityfile", [])]
+    known = [
+        str(Path(p).expanduser()) for key in ("userknownhostsfile", "globalknownhostsfile") for p in one(key).split()
+    ]
+    proxy: str | None = None
+    if one("proxycommand", "none").lower() != "none":
+        proxy = expand_ssh_tokens(one("proxycommand"), hostname, port, user, original)
+    elif one("proxyjump", "none").lower() != "none":
+        passthrough = [w for i, w in enumerate(words) if w == "-F" or (i and words[i - 1] == "-F")]
+        passthrough += [w for w in words if w.startswith("-F") and w != "-F"]
+        proxy = jump_command(one("proxyjump"), hostname, port, passthrough)
+    return SSHSettings(
+        address=hostname,
+        port=port,
+        user=user,
+        key_files=tuple(k for k in dict.fromkeys(keys) if Path(k).is_file()),
+        known_hosts_files=tuple(k for k in dict.fromkeys(known) if k and k.lower() != "none"),
+        strict_host_key_checking=strict,
+        identities_only=one("identitiesonly", "no").lower() == "yes",
+        proxy_command=proxy,
+    )
+
+
+def fleet_host_from_vars(name: str, variables: dict[str, Any]) -> FleetHost:
+    """A FleetHost from one host's ``_meta.hostvars`` entry, checked."""
+    become_user = str(_literal(name, variables, "ansible_become_user", ANSIBLE_DEFAULTS["ansible_become_user"]))
+    password = _literal(name, variables, "ansible_become_password") or _literal(name, variables, "ansible_become_pass")
     return FleetHost(
         name=name,
-        ssh=SSHSettings(
-            address=address,
-            port=port,
-            user=str(user) if user else None,
-            key_files=tuple(key_files),
-            known_hosts_files=known_hosts,
-            strict_host_key_checking=strict,
-            identities_only=options.get("identitiesonly", "no").lower() == "yes",
-            proxy_command=options.get("proxycommand"),
+        ssh=resolve_ssh(name, variables),
+        become=_as_bool(_literal(name, variables, "ansible_become") or False) and become_user == "root",
+        python=str(
+            _literal(name, variables, "ansible_python_interpreter", ANSIBLE_DEFAULTS["ansible_python_interpreter"])
         ),
-        become=_as_bool(_literal(name, variables, "ansible_become") or False)
-        and str(_literal(name, variables, "ansible_become_user") or "root") == "root",
-        python=str(_literal(name, variables, "ansible_python_interpreter")),
-        profile=str(_literal(name, variables, "sparkfleet_profile")),
-        root=str(_literal(name, variables, "sparkfleet_root")),
-        state_dir=str(_literal(name, variables, "sparkfleet_state_dir")),
-        config_dir=str(_literal(name, variables, "sparkfleet_config_dir")),
-        api_port=_as_port(name, "sparkfleet_api_port", _literal(name, variables, "sparkfleet_api_port")),
-        served_model_name=str(_literal(name, variables, "sparkfleet_served_model_name")),
+        profile=str(_required(name, variables, "sparkfleet_profile")),
+        root=str(_required(name, variables, "sparkfleet_root")),
+        state_dir=str(_required(name, variables, "sparkfleet_state_dir")),
+        config_dir=str(_required(name, variables, "sparkfleet_config_dir")),
+        api_port=_as_port(name, "sparkfleet_api_port", _required(name, variables, "sparkfleet_api_port")),
+        served_model_name=str(_required(name, variables, "sparkfleet_served_model_name")),
+        become_password=str(password) if password else None,
     )
 
 
@@ -389,10 +429,11 @@ def load_fleet(inventory: str, limit: str | None, pattern: str = DEFAULT_HOST_PA
 
 
 def open_connection(host: FleetHost) -> Any:
-    """A Fabric Connection that checks the host key against the inventory's known_hosts file(s).
+    """A Fabric Connection with the host's resolved SSH settings (resolve_ssh), checking the host key
+    against the resolved known_hosts files.
 
-    Fabric itself auto-adds unknown keys and reads ~/.ssh/config; ops does neither: the inventory
-    is the only source, as for Ansible with ``StrictHostKeyChecking=yes``.
+    Fabric itself auto-adds unknown keys and reads ~/.ssh/config again; ops does neither: ``ssh -G``
+    already read every config Ansible's ssh would, and the host key policy is the resolved one.
     """
     import paramiko
     from fabric import Config, Connection
@@ -414,12 +455,9 @@ def open_connection(host: FleetHost) -> Any:
         connect_kwargs=connect_kwargs,
     )
     client = connection.client
-    if settings.known_hosts_files:
-        for path in settings.known_hosts_files:
-            if Path(path).is_file():
-                client.load_host_keys(path)
-    else:
-        client.load_system_host_keys()
+    for path in settings.known_hosts_files:
+        if Path(path).is_file():
+            client.load_host_keys(path)
     policies = {
         "yes": paramiko.RejectPolicy(),
         "accept-new": paramiko.AutoAddPolicy(),
@@ -505,18 +543,28 @@ def run_on_hosts(
 
 
 def privileged(host: FleetHost, command: str) -> str:
-    """``command`` run as root: as is for root logins, else through ``sudo -n`` (ansible_become)."""
+    """``command`` run as root: as is for root logins, else through sudo (ansible_become): ``-n`` without
+    a become password, ``-S`` reading it from stdin with one (run_remote feeds it; never argv)."""
     if host.ssh.user == "root" or not host.become:
         return command
+    if host.become_password is not None:
+        return f"sudo -S -p '' sh -c {shlex.quote(command)}"
     return f"sudo -n sh -c {shlex.quote(command)}"
 
 
-def run_remote(connection: Any, command: str, timeout: float) -> Any:
-    """Run a command; a non-zero exit raises HostFailure with its last line of stderr."""
-    result = connection.run(command, hide=True, warn=True, in_stream=False, timeout=timeout)
+def run_remote(connection: Any, command: str, timeout: float, host: FleetHost | None = None) -> Any:
+    """Run a command (as root via privileged() when ``host`` is given); a non-zero exit raises
+    HostFailure with its last line of output."""
+    shown = command
+    stdin: Any = False
+    if host is not None:
+        command = privileged(host, command)
+        if command.startswith("sudo -S "):
+            stdin = io.StringIO(f"{host.become_password}\n")
+    result = connection.run(command, hide=True, warn=True, in_stream=stdin, timeout=timeout)
     if result.exited != 0:
         lines = [line for line in (result.stderr + result.stdout).strip().splitlines() if line.strip()]
-        raise HostFailure(f"`{command[:60]}…` exited {result.exited}: {lines[-1] if lines else 'no output'}")
+        raise HostFailure(f"`{shown[:60]}…` exited {result.exited}: {lines[-1] if lines else 'no output'}")
     return result
 
 
@@ -527,7 +575,7 @@ def python_command(host: FleetHost, script: str, *argv: str | int) -> str:
 def probe_host(host: FleetHost, connection: Any, timeout: float = 60) -> dict[str, Any]:
     """Run PROBE_SCRIPT on the host (as root where needed: state.json is root:vllm 0640)."""
     command = python_command(host, PROBE_SCRIPT, host.config_dir, host.state_dir, host.fallback_unit, host.api_port)
-    result = run_remote(connection, privileged(host, command), timeout)
+    result = run_remote(connection, command, timeout, host)
     try:
         return json.loads(result.stdout.strip().splitlines()[-1])
     except (json.JSONDecodeError, IndexError) as exc:
@@ -700,7 +748,7 @@ def logs_operation(lines: int, since: str | None) -> HostOperation:
         command = ["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "short-iso"]
         if since:
             command += ["--since", since]
-        result = run_remote(connection, privileged(host, "LC_ALL=C " + shlex.join(command)), timeout=60)
+        result = run_remote(connection, "LC_ALL=C " + shlex.join(command), 60, host)
         text = [line for line in result.stdout.splitlines() if line.strip()]
         return HostOutcome(host.name, True, f"{unit}: {len(text)} line(s)", output=text)
 
@@ -729,26 +777,23 @@ def restart_operation(timeout: float) -> HostOperation:
             return HostOutcome(host.name, False, f"unit {unit} is {load or 'unknown'}; deploy the host first")
         started = time.monotonic()
         state = probe.get("state") if isinstance(probe.get("state"), dict) else {}
-        run_remote(connection, privileged(host, restart_command(unit, state.get("host_lock"))), timeout=timeout + 30)
-        base_url = str(probe.get("base_url") or f"http://127.0.0.1:{host.api_port}")
-        remaining = max(5.0, timeout - (time.monotonic() - started))
-        result = connection.run(
-            python_command(host, WAIT_HEALTH_SCRIPT, base_url, f"{remaining:.0f}"),
-            hide=True,
-            warn=True,
-            in_stream=False,
-            timeout=remaining + 30,
-        )
+        # `systemctl restart` returns once the unit's start gate (ExecStartPost=sparkfleet-wait-healthy)
+        # passed, and fails when it did not: the same verdict as every deploy, no second health check
         try:
-            waited = json.loads(result.stdout.strip().splitlines()[-1])
-        except (json.JSONDecodeError, IndexError):
-            waited = {"healthy": False, "last": (result.stderr.strip().splitlines() or ["no output"])[-1]}
-        total = time.monotonic() - started
-        if not waited.get("healthy"):
+            run_remote(connection, restart_command(unit, state.get("host_lock")), timeout, host)
+        except HostFailure as exc:
+            _, _, problems = status_row(host, probe_host(host, connection))
+            seconds = time.monotonic() - started
             return HostOutcome(
-                host.name, False, f"restarted {unit}; not healthy after {total:.0f} s ({waited.get('last')})"
+                host.name, False, "; ".join([f"restart of {unit} failed after {seconds:.0f} s: {exc}", *problems])
             )
-        return HostOutcome(host.name, True, f"restarted {unit}; healthy after {total:.1f} s", data={"seconds": total})
+        ok, _, problems = status_row(host, probe_host(host, connection))
+        seconds = time.monotonic() - started
+        if not ok:
+            return HostOutcome(host.name, False, "; ".join([f"restarted {unit} in {seconds:.0f} s, but", *problems]))
+        return HostOutcome(
+            host.name, True, f"restarted {unit}; healthy after {seconds:.1f} s", data={"seconds": seconds}
+        )
 
     return operation
 
@@ -806,7 +851,7 @@ def upload_bench_clients(host: FleetHost, connection: Any, lib_dir: str) -> None
             f"chmod -R go+rX {shlex.quote(str(target))}.new && rm -rf {shlex.quote(str(target))} && "
             f"mv {shlex.quote(str(target))}.new {shlex.quote(str(target))}"
         )
-        run_remote(connection, privileged(host, install), timeout=60)
+        run_remote(connection, install, 60, host)
     finally:
         connection.run(f"rm -rf {shlex.quote(staging)}", hide=True, warn=True, in_stream=False, timeout=30)
 
@@ -887,8 +932,8 @@ def bench_operation(options: BenchOptions, stamp: str) -> HostOperation:
             return HostOutcome(host.name, False, f"not benchmarked: health {health_text}")
         command, result_path = bench_command(host, probe, options, stamp)
         upload_bench_clients(host, connection, f"{host.root}/lib")
-        run_remote(connection, privileged(host, command), timeout=options.timeout)
-        text = run_remote(connection, privileged(host, f"cat {shlex.quote(result_path)}"), timeout=60).stdout
+        run_remote(connection, command, options.timeout, host)
+        text = run_remote(connection, f"cat {shlex.quote(result_path)}", 60, host).stdout
         try:
             result = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -924,13 +969,31 @@ def summary_line(verb: str, outcomes: Sequence[HostOutcome], seconds: float) -> 
     return f"ops {verb}: {len(outcomes) - len(failed)}/{len(outcomes)} host(s) ok in {seconds:.1f} s{tail}"
 
 
+def with_become_password(hosts: list[FleetHost], args: argparse.Namespace) -> list[FleetHost]:
+    """The hosts, with -K's or --become-password-file's password on every one that becomes root with sudo
+    (over any ansible_become_password, as ansible-playbook does)."""
+    if not (args.ask_become_pass or args.become_password_file):
+        return hosts
+    if args.become_password_file:
+        try:
+            password = Path(args.become_password_file).read_text(encoding="utf-8").rstrip("\n")
+        except OSError as exc:
+            raise OpsError(
+                f"--become-password-file {args.become_password_file!r}: {exc.strerror or exc}; "
+                "give a readable file holding the password"
+            ) from exc
+    else:
+        password = getpass.getpass("BECOME password: ")
+    return [dataclasses.replace(h, become_password=password) if h.become else h for h in hosts]
+
+
 def run_command(args: argparse.Namespace, connect: Callable[[FleetHost], Any] = open_connection) -> int:
     """Run one ``ops`` subcommand; returns the exit code (0 ok, 1 a host failed, 2 bad input)."""
     started = time.monotonic()
     try:
         if args.forks < 1:
             raise OpsError(f"--forks {args.forks}: use 1 or more")
-        hosts = load_fleet(args.inventory, args.limit, args.hosts)
+        hosts = with_become_password(load_fleet(args.inventory, args.limit, args.hosts), args)
         if args.ops_command == "status":
             outcomes = run_on_hosts(hosts, status_operation, args.forks, connect)
             print_status(outcomes, args.json)
@@ -985,6 +1048,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         parser.add_argument(
             "-f", "--forks", type=int, default=DEFAULT_FORKS, help=f"hosts at a time (default {DEFAULT_FORKS})"
         )
+        password = parser.add_mutually_exclusive_group()
+        password.add_argument(
+            "-K",
+            "--ask-become-pass",
+            action="store_true",
+            help="ask for the sudo password of hosts with ansible_become (as ansible-playbook -K)",
+        )
+        password.add_argument(
+            "--become-password-file",
+            metavar="FILE",
+            help="read the sudo password from FILE (as ansible-playbook --become-password-file)",
+        )
         parser.set_defaults(func=run_command)
 
     status = sub.add_parser("status", help="one line per host: profile, unit, health, patch set, revisions, last tok/s")
@@ -996,7 +1071,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     logs.add_argument("-n", "--lines", type=int, default=30, help="lines per host (default 30)")
     logs.add_argument("--since", help="journalctl --since, e.g. '-10min' or '2026-06-24 10:00'")
 
-    restart = sub.add_parser("restart", help="restart each host's unit and wait for /health")
+    restart = sub.add_parser("restart", help="restart each host's unit; its start gate waits for /health")
     common(restart)
     restart.add_argument(
         "--batch",
@@ -1005,7 +1080,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="hosts restarted together; the next batch waits for their health and stops on a failure "
         "(default 1: never the whole fleet down at once; 0 = all together)",
     )
-    restart.add_argument("--timeout", type=float, default=900, help="seconds per host to be healthy (default 900)")
+    restart.add_argument(
+        "--timeout",
+        type=float,
+        default=960,
+        help="seconds to wait for each `systemctl restart`, which returns once the unit's start gate found "
+        "/health up (its own TimeoutStartSec= bounds it too; default 960)",
+    )
 
     bench = sub.add_parser("bench", help="a quick decode benchmark on each host (latest.json, a copy in --out)")
     common(bench)

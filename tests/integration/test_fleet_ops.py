@@ -1,4 +1,5 @@
-"""`sparkfleet ops` against the sandbox fleet: real SSH (Fabric), real systemd, real journal, real vLLM.
+"""`sparkfleet ops` against the sandbox fleet: real SSH (Fabric over OpenSSH's own resolution of the
+inventory's options, a jump host included), real systemd, real journal, real vLLM.
 
 Read-only except on spark-03, whose unit is restarted (and left active) and benchmarked briefly. The
 fleet is the converged one (every host deployed and healthy): a host that is not fails the test, it
@@ -76,6 +77,61 @@ def test_status_reports_every_host_as_the_host_itself_does(sandbox_fleet: Any) -
         )
 
 
+def write_inventory(where: Path, inventory: dict[str, Any]) -> Path:
+    """hosts.yml with the playbooks' defaults linked in, as an operator's inventory has them (ops keeps no copy)."""
+    (where / "group_vars" / "all").mkdir(parents=True)
+    (where / "group_vars" / "all" / "00-sparkfleet.yml").symlink_to(ROOT / "inventory/group_vars/all/sparkfleet.yml")
+    path = where / "hosts.yml"
+    path.write_text(yaml.safe_dump(inventory))
+    return path
+
+
+def logins_from(sandbox_fleet: Any, host: str, address: str) -> int:
+    """How many SSH logins the host's sshd accepted from address (its journal)."""
+    journal = sandbox_fleet.ssh(host, "journalctl --no-pager -o cat --since=-30min", timeout=60).stdout
+    return sum(f"Accepted publickey for root from {address} " in line for line in journal.splitlines())
+
+
+def test_a_host_behind_a_jump_host_is_reached_by_ansible_and_ops_alike(sandbox_fleet: Any, tmp_path: Path) -> None:
+    # spark-02 reached only through spark-01: ProxyJump in ansible_ssh_common_args and the jump host's
+    # settings in an -F ssh config, as an operator's ~/.ssh/config would hold them
+    generated = yaml.safe_load((ROOT / "inventory/sandbox/hosts.yml").read_text())
+    hosts = generated["all"]["children"]["spark"]["hosts"]
+    jump, target = sandbox_fleet.names[0], sandbox_fleet.names[1]
+    variables = dict(hosts[target])
+    known_hosts = variables["ansible_ssh_common_args"].split("UserKnownHostsFile=")[1].split()[0]
+    config = tmp_path / "ssh_config"
+    config.write_text(
+        f"Host sandbox-jump\n  HostName {hosts[jump]['ansible_host']}\n  User root\n"
+        f"  IdentityFile {variables['ansible_ssh_private_key_file']}\n  IdentitiesOnly yes\n"
+        f"  UserKnownHostsFile {known_hosts}\n  StrictHostKeyChecking yes\n"
+    )
+    variables["ansible_ssh_common_args"] += f" -F {config} -o ProxyJump=sandbox-jump"
+    path = write_inventory(tmp_path, {"all": {"children": {"spark": {"hosts": {target: variables}}}}})
+    jump_address = str(hosts[jump]["ansible_host"])
+    before = logins_from(sandbox_fleet, target, jump_address)
+
+    # Ansible, with a control socket of its own (the fleet's open ones go direct)
+    pinged = subprocess.run(
+        [str(Path(sys.executable).with_name("ansible")), "-i", str(path), target, "-m", "ansible.builtin.ping"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_SSH_CONTROL_PATH_DIR": str(tmp_path)},
+    )
+    assert pinged.returncode == 0 and '"ping": "pong"' in pinged.stdout, pinged.stdout + pinged.stderr
+    after_ansible = logins_from(sandbox_fleet, target, jump_address)
+    assert after_ansible > before, "Ansible's login did not come through the jump host"
+
+    proc = ops("status", "-i", str(path), "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (entry,) = json.loads(proc.stdout)
+    assert (entry["host"], entry["ok"], entry["row"]["health"]) == (target, True, "ok"), entry
+    assert logins_from(sandbox_fleet, target, jump_address) > after_ansible, "ops' login did not come through the jump"
+
+
 def test_an_unknown_or_changed_host_key_is_refused(sandbox_fleet: Any, tmp_path: Path) -> None:
     generated = yaml.safe_load((ROOT / "inventory/sandbox/hosts.yml").read_text())
     hosts = generated["all"]["children"]["spark"]["hosts"]
@@ -96,8 +152,7 @@ def test_an_unknown_or_changed_host_key_is_refused(sandbox_fleet: Any, tmp_path:
             **variables,
             "ansible_ssh_common_args": f"-o UserKnownHostsFile={known_hosts} -o StrictHostKeyChecking=yes",
         }
-    path = tmp_path / "hosts.yml"
-    path.write_text(yaml.safe_dump(inventory))
+    path = write_inventory(tmp_path, inventory)
 
     proc = ops("status", "-i", str(path))
     assert proc.returncode == 1
@@ -138,7 +193,7 @@ def healthy_deployed(sandbox_fleet: Any, host: str, need_state: bool) -> tuple[d
     return state, unit
 
 
-def test_restart_restarts_the_unit_and_waits_for_health(sandbox_fleet: Any) -> None:
+def test_restart_restarts_the_unit_and_its_start_gate_waits_for_health(sandbox_fleet: Any) -> None:
     _state, unit = healthy_deployed(sandbox_fleet, RESTART_HOST, need_state=False)
     before = unit_facts(sandbox_fleet, RESTART_HOST, unit)
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -23,18 +24,28 @@ from sparkfleet import cli, fleet_ops
 from sparkfleet.fleet_ops import FleetHost, HostOutcome, OpsError
 
 ROOT = Path(__file__).resolve().parents[2]
+# ssh -G offers only identity files that exist: the inventory's key is a real (placeholder) file
+KEY_DIR = Path(tempfile.mkdtemp(prefix="sparkfleet-ops-keys-"))
+KEY = KEY_DIR / "id_ed25519"
+KEY.write_text("placeholder: ssh -G only checks that the file is there\n")
+KNOWN_HOSTS = "/srv/fleet/ssh/known_hosts"
 SANDBOX_ARGS = (
-    "-o UserKnownHostsFile=/srv/fleet/ssh/known_hosts -o StrictHostKeyChecking=yes -o IdentitiesOnly=yes "
+    f"-o UserKnownHostsFile={KNOWN_HOSTS} -o StrictHostKeyChecking=yes -o IdentitiesOnly=yes "
     "-o ControlMaster=auto -o ControlPersist=60s"
 )
 SANDBOX_VARS = {
     "ansible_host": "10.213.0.11",
     "ansible_user": "root",
-    "ansible_ssh_private_key_file": "/srv/fleet/ssh/id_ed25519",
+    "ansible_ssh_private_key_file": str(KEY),
     "ansible_ssh_common_args": SANDBOX_ARGS,
     "ansible_python_interpreter": "/usr/bin/python3",
+    # what inventory/group_vars/all/sparkfleet.yml gives every host (ops keeps no copy of it)
     "sparkfleet_profile": "dflash",
     "sparkfleet_api_port": 8000,
+    "sparkfleet_root": "/opt/sparkfleet",
+    "sparkfleet_state_dir": "/var/lib/sparkfleet",
+    "sparkfleet_config_dir": "/etc/sparkfleet",
+    "sparkfleet_served_model_name": "qwen",
 }
 
 
@@ -45,38 +56,55 @@ def sandbox_host(name: str = "spark-01", **overrides: Any) -> FleetHost:
 # ------------------------------------------------------------------------------------- inventory
 
 
-def test_parse_ssh_args_reads_options_in_every_spelling() -> None:
-    options = fleet_ops.parse_ssh_args(
-        "-o UserKnownHostsFile=/k/known -oStrictHostKeyChecking=accept-new -o 'ConnectTimeout 5' "
-        "-i /k/one -i/k/two -p 2222 -l ops"
-    )
-    assert options["userknownhostsfile"] == "/k/known"
-    assert options["stricthostkeychecking"] == "accept-new"
-    assert options["connecttimeout"] == "5"
-    assert options["identityfile"] == "/k/one\n/k/two"
-    assert options["port"] == "2222"
-    assert options["user"] == "ops"
-
-
-def test_parse_ssh_args_refuses_what_does_not_parse() -> None:
-    with pytest.raises(OpsError, match="do not parse"):
-        fleet_ops.parse_ssh_args("-o 'UserKnownHostsFile=/unterminated")
-    with pytest.raises(OpsError, match="-o needs a value"):
-        fleet_ops.parse_ssh_args("-o")
-
-
 def test_sandbox_host_vars_give_strict_host_keys_and_the_inventory_key() -> None:
     host = sandbox_host()
     assert host.ssh.address == "10.213.0.11"
     assert host.ssh.port == 22
     assert host.ssh.user == "root"
-    assert host.ssh.key_files == ("/srv/fleet/ssh/id_ed25519",)
-    assert host.ssh.known_hosts_files == ("/srv/fleet/ssh/known_hosts",)
+    assert host.ssh.key_files == (str(KEY),)
+    assert host.ssh.known_hosts_files[0] == KNOWN_HOSTS
     assert host.ssh.strict_host_key_checking == "yes"
     assert host.ssh.identities_only is True
+    assert host.ssh.proxy_command is None
     assert host.become is False
     assert host.fallback_unit == "sparkfleet-vllm-dflash.service"
     assert (host.config_dir, host.state_dir, host.root) == ("/etc/sparkfleet", "/var/lib/sparkfleet", "/opt/sparkfleet")
+
+
+def test_ssh_config_is_resolved_as_ansibles_ssh_resolves_it(tmp_path: Path) -> None:
+    # an -F config (as ~/.ssh/config would be): its HostName, Port and options apply; the inventory's own
+    # user and port come first, as in the ssh command line Ansible builds, so they win
+    config = tmp_path / "ssh_config"
+    config.write_text(
+        "Host spark-east-*\n  HostName 192.0.2.7\n  Port 2201\n  User intruder\n"
+        "  UserKnownHostsFile /k/east_known\n  StrictHostKeyChecking accept-new\n"
+    )
+    args = f"-F {config}"
+    east = sandbox_host("spark-east-1", ansible_host="spark-east-1", ansible_ssh_common_args=args)
+    assert (east.ssh.address, east.ssh.port, east.ssh.user) == ("192.0.2.7", 2201, "root")
+    assert east.ssh.known_hosts_files[0] == "/k/east_known"
+    assert east.ssh.strict_host_key_checking == "accept-new"
+    pinned = sandbox_host("spark-east-2", ansible_host="spark-east-2", ansible_port=22, ansible_ssh_common_args=args)
+    assert (pinned.ssh.address, pinned.ssh.port) == ("192.0.2.7", 22)
+    # -o Key=Value in every spelling, and the ssh_config keyword's own casing
+    spelled = sandbox_host(
+        ansible_ssh_common_args="-oUserKnownHostsFile=/k/known -o 'stricthostkeychecking no' -p 2222",
+        ansible_ssh_extra_args="-o ConnectTimeout=5",
+    )
+    assert spelled.ssh.known_hosts_files[0] == "/k/known"
+    assert spelled.ssh.strict_host_key_checking == "no"
+    assert spelled.ssh.port == 2222
+
+
+def test_proxy_jump_and_proxy_command_become_the_gateway_ssh_itself_would_run(tmp_path: Path) -> None:
+    config = tmp_path / "ssh_config"
+    config.write_text("Host bastion\n  HostName 192.0.2.1\n")
+    jumped = sandbox_host(ansible_ssh_common_args=f"-F {config} -o ProxyJump=ops@bastion:2200")
+    assert jumped.ssh.proxy_command == f"ssh -F {config} -l ops -p 2200 -W 10.213.0.11:22 bastion"
+    chained = sandbox_host(ansible_port=2022, ansible_ssh_common_args="-J first,admin@[2001:db8::1]:23")
+    assert chained.ssh.proxy_command == "ssh -J first -l admin -p 23 -W 10.213.0.11:2022 2001:db8::1"
+    command = sandbox_host(ansible_ssh_common_args="-o 'ProxyCommand=nc -X 5 -x proxy:1080 %h %p # %r %%'")
+    assert command.ssh.proxy_command == "nc -X 5 -x proxy:1080 10.213.0.11 22 # root %"
 
 
 @pytest.mark.parametrize(
@@ -85,14 +113,33 @@ def test_sandbox_host_vars_give_strict_host_keys_and_the_inventory_key() -> None
         ({"sparkfleet_api_port": "{{ port_of_the_day }}"}, "sparkfleet_api_port is a template"),
         ({"sparkfleet_api_port": 70000}, "sparkfleet_api_port = 70000 is not a TCP port"),
         ({"ansible_port": "ssh"}, "ansible_port = 'ssh' is not a TCP port"),
-        ({"ansible_ssh_common_args": "-o ProxyJump=bastion"}, "ProxyJump"),
-        ({"ansible_ssh_common_args": "-o StrictHostKeyChecking=maybe"}, "StrictHostKeyChecking='maybe'"),
+        ({"ansible_ssh_common_args": "-o 'UserKnownHostsFile=/unterminated"}, "ansible_ssh_common_args .* parse"),
+        ({"ansible_ssh_common_args": "-o StrictHostKeyChecking=maybe"}, "ssh refuses its options .*maybe"),
+        ({"ansible_ssh_common_args": "-o NoSuchOption=1"}, "ssh refuses its options .*nosuchoption"),
+        ({"ansible_become_password": {"__ansible_vault": "$ANSIBLE_VAULT;1.1;AES256"}}, "vault-encrypted"),
+        ({"sparkfleet_state_dir": None}, "sparkfleet_state_dir is not set in the inventory; .* link"),
     ],
 )
 def test_bad_host_vars_are_refused_with_the_value_and_the_fix(overrides: dict[str, Any], message: str) -> None:
+    variables = {**SANDBOX_VARS, **overrides}
+    variables = {k: v for k, v in variables.items() if v is not None}
     with pytest.raises(OpsError, match=message) as error:
-        sandbox_host("spark-09", **overrides)
+        fleet_ops.fleet_host_from_vars("spark-09", variables)
     assert str(error.value).startswith("spark-09")
+    assert "\n" not in str(error.value)
+
+
+def test_become_uses_sudo_n_or_the_password_on_stdin_never_argv() -> None:
+    login = sandbox_host(ansible_user="sparkops", ansible_become=True)
+    assert fleet_ops.privileged(login, "cat /x") == "sudo -n sh -c 'cat /x'"
+    keyed = sandbox_host(ansible_user="sparkops", ansible_become=True, ansible_become_password="s3cr3t pw")
+    assert "s3cr3t" not in repr(keyed)
+    connection = FakeConnection({"unit": {}})
+    fleet_ops.run_remote(connection, "cat /etc/sparkfleet/state.json", 30, keyed)
+    assert connection.commands == ["sudo -S -p '' sh -c 'cat /etc/sparkfleet/state.json'"]
+    assert connection.stdin == ["s3cr3t pw\n"]
+    as_root = sandbox_host(ansible_become=True)
+    assert fleet_ops.privileged(as_root, "cat /x") == "cat /x"
 
 
 def test_group_hosts_follows_child_groups_once() -> None:
@@ -128,13 +175,7 @@ def test_load_fleet_reads_the_example_inventory_through_ansible_inventory() -> N
 # ------------------------------------------------------------------------------------ connections
 
 
-def test_connection_rejects_unknown_host_keys_and_loads_the_inventory_known_hosts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # an operator's ~/.ssh/config must not redirect ops (the inventory is the only source)
-    (tmp_path / "home" / ".ssh").mkdir(parents=True)
-    (tmp_path / "home" / ".ssh" / "config").write_text("Host *\n  User intruder\n  Port 2200\n")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+def test_connection_rejects_unknown_host_keys_and_loads_the_inventory_known_hosts(tmp_path: Path) -> None:
     known_hosts = tmp_path / "known_hosts"
     # a syntactically valid ed25519 host key line (the key itself need not belong to anyone)
     known_hosts.write_text(
@@ -146,10 +187,10 @@ def test_connection_rejects_unknown_host_keys_and_loads_the_inventory_known_host
         client = connection.client
         assert isinstance(client._policy, paramiko.RejectPolicy)
         assert client.get_host_keys().lookup("10.213.0.11") is not None
-        assert connection.connect_kwargs["key_filename"] == ["/srv/fleet/ssh/id_ed25519"]
+        assert connection.connect_kwargs["key_filename"] == [str(KEY)]
         assert connection.connect_kwargs["allow_agent"] is False
-        assert (connection.user, connection.port) == ("root", 22), "no ~/.ssh/config is read"
-        assert "user" not in connection.ssh_config
+        assert (connection.user, connection.port) == ("root", 22)
+        assert "user" not in connection.ssh_config, "Fabric does not read the ssh configs again: ssh -G did"
     finally:
         connection.close()
     relaxed = fleet_ops.open_connection(sandbox_host(ansible_ssh_common_args="-o StrictHostKeyChecking=accept-new"))
@@ -186,10 +227,13 @@ class FakeConnection:
         self.probe = probe
         self.fail = fail
         self.commands: list[str] = []
+        self.stdin: list[str] = []
         self.closed = False
 
-    def run(self, command: str, **_kwargs: Any) -> FakeResult:
+    def run(self, command: str, **kwargs: Any) -> FakeResult:
         self.commands.append(command)
+        if kwargs.get("in_stream"):
+            self.stdin.append(kwargs["in_stream"].read())
         if self.fail:
             return FakeResult("", "sudo: a password is required", self.fail)
         if "state.json" in command:
@@ -664,3 +708,29 @@ def test_fleet_scale_accounts_time_per_role_from_the_timer_json(tmp_path: Path) 
     assert per_role == {"vllm_service": 60.0, "vllm_wheel": 32.2, "(play)": 0.5}
     assert [t["name"] for t in slowest[:2]] == ["vllm_service : Start", "vllm_wheel : Install"]
     assert scale.timer_account(tmp_path / "missing.json") == ({}, [])
+
+
+def test_a_become_password_file_reaches_sudo_hosts_only_and_a_missing_one_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    secret = tmp_path / "become"
+    secret.write_text("pw from file\n")
+    secret.chmod(0o600)
+    args = parse(["ops", "status", "-i", "unused", "--become-password-file", str(secret)])
+    sudo_host = sandbox_host("spark-01", ansible_user="sparkops", ansible_become=True)
+    root_host = sandbox_host("spark-02")
+    given = fleet_ops.with_become_password([sudo_host, root_host], args)
+    assert [h.become_password for h in given] == ["pw from file", None]
+    assert fleet_ops.privileged(given[0], "id") == "sudo -S -p '' sh -c id"
+
+    missing = tmp_path / "nowhere"
+    code = fleet_ops.run_command(
+        parse(["ops", "status", "-i", str(write_inventory(tmp_path)), "--become-password-file", str(missing)]),
+        connect=lambda h: FakeConnection(None),
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == [
+        f"sparkfleet ops: --become-password-file {str(missing)!r}: No such file or directory; "
+        "give a readable file holding the password"
+    ]
