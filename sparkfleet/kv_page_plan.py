@@ -640,22 +640,45 @@ SERVING_FLAGS = {
     "max-num-batched-tokens": "max_num_batched_tokens",
     "max-num-seqs": "max_num_seqs",
 }
+# Serve flags that change the KV layout itself: the rank's share of the KV heads, the cache block,
+# the cache and state dtypes and the attention backend whose kernel block sizes the runner needs.
+LAYOUT_INT_FLAGS = {"tensor-parallel-size": "tensor_parallel_size", "block-size": "block_size"}
+LAYOUT_TEXT_FLAGS = {
+    "kv-cache-dtype": "kv_cache_dtype",
+    "mamba-cache-dtype": "mamba_cache_dtype",
+    "mamba-ssm-cache-dtype": "mamba_ssm_cache_dtype",
+    "dtype": "dtype",
+    "attention-backend": "attention_backend",
+}
+
+
+def _int_arg(flag: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise KVPlanInputError(f"serve arg {flag} is {value!r}; it must be an integer")
+    return value
 
 
 def serving_options(serve_args: dict[str, Any] | None) -> dict[str, Any]:
-    """plan() keywords from a resolved profile's serve_args (the step budget only when both halves are set,
-    since vLLM's defaults for them depend on its usage context)."""
+    """plan() keywords from a resolved profile's serve_args: every flag that changes what vLLM lays out
+    (the step budget only when both halves are set, since vLLM's defaults for them depend on its usage
+    context); a flag a profile leaves unset (or null) keeps plan()'s default, which is vLLM's."""
     args = serve_args or {}
     options: dict[str, Any] = {"enable_prefix_caching": bool(args.get("enable-prefix-caching"))}
     for flag in ("max-model-len", "max-num-batched-tokens", "max-num-seqs"):
         if args.get(flag) is not None:
-            value = args[flag]
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise KVPlanInputError(f"serve arg {flag} is {value!r}; it must be an integer")
-            options[SERVING_FLAGS[flag]] = value
+            options[SERVING_FLAGS[flag]] = _int_arg(flag, args[flag])
     if ("max_num_batched_tokens" in options) != ("max_num_seqs" in options):
         options.pop("max_num_batched_tokens", None)
         options.pop("max_num_seqs", None)
+    for flag, keyword in LAYOUT_INT_FLAGS.items():
+        if args.get(flag) is not None:
+            options[keyword] = _int_arg(flag, args[flag])
+    for flag, keyword in LAYOUT_TEXT_FLAGS.items():
+        if args.get(flag) is not None:
+            if not isinstance(args[flag], str):
+                raise KVPlanInputError(f"serve arg {flag} is {args[flag]!r}; it must be a string")
+            # vLLM takes the backend's enum name in any case (flash_attn is FLASH_ATTN)
+            options[keyword] = args[flag].upper() if flag == "attention-backend" else args[flag]
     return options
 
 
@@ -789,6 +812,8 @@ def _plan(
     ):
         if value not in allowed:
             raise KVPlanInputError(f"{name} {value!r} is not modelled; use one of {', '.join(allowed)}")
+    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+        raise KVPlanInputError(f"tensor_parallel_size {tensor_parallel_size!r} must be a positive integer")
     if block_size is not None and (block_size <= 0 or block_size % 16):
         raise KVPlanInputError(f"block_size {block_size} must be a positive multiple of 16")
     backend = attention_backend or ("FLASH_ATTN" if platform == "cuda" else "CPU_ATTN")

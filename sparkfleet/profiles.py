@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import subprocess
 import sys
@@ -274,7 +275,43 @@ def model_errors(resolved: Mapping[str, Any], models: Mapping[str, Any]) -> list
                 error = _revision_error(key, f"{part} {spec['repo']}", spec.get("revision"), f"{key}.{part}")
                 if error:
                     found.append(error)
-    return found
+    share = memory_share_error(resolved, models)
+    return found + ([share] if share else [])
+
+
+def parallel_nodes(serve_args: Mapping[str, Any]) -> int:
+    """How many GPUs (one per Spark) the profile's weights are split over: tensor x pipeline parallel size."""
+    nodes = 1
+    for flag in ("tensor-parallel-size", "pipeline-parallel-size"):
+        value = serve_args.get(flag)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            nodes *= value
+    return nodes
+
+
+def memory_share_error(resolved: Mapping[str, Any], models: Mapping[str, Any]) -> str | None:
+    """A profile whose ``required_memory_gib`` is below one node's share of its weights (the models'
+    ``size_gib`` split over its tensor x pipeline parallel size) would pass the memory preflight on a
+    host that cannot hold them: say so, naming the share."""
+    required = resolved.get("required_memory_gib")
+    if not isinstance(required, int | float) or isinstance(required, bool):
+        return None
+    sizes = {}
+    for key in profile_models(resolved):
+        entry = models.get(key)
+        size = entry.get("size_gib") if isinstance(entry, Mapping) else None
+        if isinstance(size, int | float) and not isinstance(size, bool):
+            sizes[key] = size
+    nodes = parallel_nodes(resolved.get("serve_args") or {})
+    share = sum(sizes.values()) / nodes
+    if required >= share:
+        return None
+    weights = " + ".join(f"{key} {size:g} GiB" for key, size in sizes.items())
+    split = f" split over {nodes} nodes (tensor x pipeline parallel size)" if nodes > 1 else ""
+    return (
+        f"profile {resolved.get('name', '?')!r}: required_memory_gib {required:g} is below one node's share of its "
+        f"weights, {share:.1f} GiB ({weights}{split}): raise required_memory_gib to at least {math.ceil(share)}"
+    )
 
 
 def serve_argv(serve_args: Mapping[str, Any]) -> list[str]:

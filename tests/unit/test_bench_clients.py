@@ -215,14 +215,14 @@ def test_decode_flags_foreign_traffic_in_the_window() -> None:
 def test_e2e_discards_run_one_and_scales_max_tokens() -> None:
     workload = load_workload("albond_e2e", max_tokens_scale=0.125)
     assert [r.max_tokens for r in workload.requests] == [32, 64, 128, 8, 256]
-    with StubServer(token_gap_s=0.001, prefill_s=0.01, first_run_extra_s=0.2) as stub:
+    with StubServer(token_gap_s=0.001, prefill_s=0.01, first_run_extra_s=0.6) as stub:
         figures, details, _ = run_e2e_bench(OpenAIServer(stub.base_url), "stub", workload, progress=False)
     assert stub.state.max_tokens_seen == [32, 32, 64, 64, 128, 128, 8, 8, 256, 256]
     assert all(body["stream"] is False and body["temperature"] == 0.0 for body in stub.state.bodies)
     for prompt in details["prompts"]:
         run1, run2 = prompt["runs"]
         assert run1["discarded"] and not run2["discarded"]
-        assert run1["wall_s"] > run2["wall_s"] + 0.15  # the slow first run is not what is reported
+        assert run1["wall_s"] > run2["wall_s"] + 0.3  # the slow first run is not what is reported
         assert prompt["tok_s"] == pytest.approx(run2["completion_tokens"] / run2["wall_s"])
     rates = [p["tok_s"] for p in details["prompts"]]
     assert figures["e2e_tok_s"] == pytest.approx(sum(rates) / 5)

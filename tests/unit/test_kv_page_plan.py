@@ -206,6 +206,61 @@ def test_serving_options_read_a_profiles_serve_args() -> None:
         kv_page_plan.serving_options({"max-num-seqs": "3"})
 
 
+def test_serving_options_read_every_flag_that_changes_the_layout(target: dict, new_drafter: dict) -> None:
+    # what the unit serves is what is planned: the rank's share under tensor parallelism, the cache
+    # block, the cache and state dtypes and the attention backend (vLLM takes its name in any case)
+    args = {
+        "tensor-parallel-size": 2,
+        "block-size": 32,
+        "kv-cache-dtype": "fp8",
+        "mamba-cache-dtype": "float32",
+        "mamba-ssm-cache-dtype": "float32",
+        "dtype": "bfloat16",
+        "attention-backend": "flash_attn",
+        "pipeline-parallel-size": 2,  # each stage holds whole layers: pages are the single node's
+    }
+    assert kv_page_plan.serving_options(args) == {
+        "enable_prefix_caching": False,
+        "tensor_parallel_size": 2,
+        "block_size": 32,
+        "kv_cache_dtype": "fp8",
+        "mamba_cache_dtype": "float32",
+        "mamba_ssm_cache_dtype": "float32",
+        "dtype": "bfloat16",
+        "attention_backend": "FLASH_ATTN",
+    }
+    # null drops a flag a lower layer set: vLLM's default is planned
+    assert kv_page_plan.serving_options({"attention-backend": None, "tensor-parallel-size": None}) == {
+        "enable_prefix_caching": False
+    }
+    with pytest.raises(KVPlanInputError, match="serve arg tensor-parallel-size is '2'"):
+        kv_page_plan.serving_options({"tensor-parallel-size": "2"})
+    with pytest.raises(KVPlanInputError, match="serve arg kv-cache-dtype is 8"):
+        kv_page_plan.serving_options({"kv-cache-dtype": 8})
+    with pytest.raises(KVPlanInputError, match="tensor_parallel_size 0 must be a positive integer"):
+        plan(target, None, 0, True, tensor_parallel_size=0)
+
+    # a two-node tensor-parallel profile is planned for one rank: half the KV heads, so half the
+    # attention bytes per token, against that rank's share of the GDN state
+    for n in (4, 12):
+        one = kv_page_plan.plan_for_profile(target, new_drafter, n, True, serve_args={"max-model-len": 4096})
+        two = kv_page_plan.plan_for_profile(
+            target, new_drafter, n, True, serve_args={"max-model-len": 4096, "tensor-parallel-size": 2}
+        )
+        assert two == plan(target, new_drafter, n, True, max_model_len=4096, tensor_parallel_size=2)
+        assert two != one
+        assert two.ok and one.ok
+        assert two.mamba_page_size_bytes is not None and one.mamba_page_size_bytes is not None
+        assert two.mamba_page_size_bytes < one.mamba_page_size_bytes
+    # and the state dtypes the profile sets size the GDN page (the conv state here: the config already
+    # asks for a float32 SSM state)
+    auto = kv_page_plan.plan_for_profile(target, None, 0, True, serve_args={})
+    f32 = kv_page_plan.plan_for_profile(target, None, 0, True, serve_args={"mamba-cache-dtype": "float32"})
+    assert f32 == plan(target, None, 0, True, mamba_cache_dtype="float32")
+    assert auto.mamba_page_size_bytes is not None and f32.mamba_page_size_bytes is not None
+    assert f32.mamba_page_size_bytes > auto.mamba_page_size_bytes
+
+
 def test_bad_configs_name_the_key(target: dict, old_drafter: dict) -> None:
     with pytest.raises(KVPlanInputError, match="num_speculative_tokens is 0 but a drafter"):
         plan(target, old_drafter, 0, True)

@@ -198,3 +198,37 @@ def test_templated_model_entries_resolve_with_and_without_pins(tmp_path: Path, p
     assert entries["hybrid-int4-fp8"]["revision"] == PIN
     assert entries["dflash-drafter"]["path"].endswith("/build/models/drafter"), entries
     assert "{{" not in entries["dflash-drafter"]["path"]
+
+
+@pytest.mark.parametrize(
+    ("serve_args", "required", "message"),
+    [
+        # one Spark: the 67 GiB target and the 1.6 GiB drafter must fit in what the profile asks for
+        ({}, 60, "required_memory_gib 60 is below one node's share of its weights, 68.6 GiB "
+         "(hybrid-int4-fp8 67 GiB + dflash-drafter 1.6 GiB): raise required_memory_gib to at least 69"),
+        ({}, 68.6, None),
+        # two Sparks, tensor parallel: each holds half
+        ({"tensor-parallel-size": 2}, 34, "34.3 GiB (hybrid-int4-fp8 67 GiB + dflash-drafter 1.6 GiB split over 2 "
+         "nodes (tensor x pipeline parallel size)): raise required_memory_gib to at least 35"),
+        ({"tensor-parallel-size": 2}, 35, None),
+        ({"pipeline-parallel-size": 2, "tensor-parallel-size": 2}, 18, None),
+        ({"pipeline-parallel-size": 2, "tensor-parallel-size": 2}, 17, "17.1 GiB"),
+    ],
+)  # fmt: skip
+def test_required_memory_below_a_nodes_share_of_the_weights_is_refused_naming_the_share(
+    serve_args: dict, required: float, message: str | None
+) -> None:
+    dense = resolve("dense")
+    dense["serve_args"].update(serve_args)
+    dense["required_memory_gib"] = required
+    errors = profiles.model_errors(dense, pinned_models())
+    if message is None:
+        assert errors == []
+    else:
+        (error,) = errors
+        assert error.startswith("profile 'dense': required_memory_gib ") and message in error, error
+
+
+def test_every_shipped_profile_asks_for_at_least_its_weights() -> None:
+    for name in SHARED["sparkfleet_profiles_builtin"]:
+        assert profiles.memory_share_error(resolve(name), MODELS) is None, name
