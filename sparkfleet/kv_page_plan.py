@@ -167,6 +167,25 @@ class KVPlan:
 
 
 @dataclass(frozen=True)
+class PlanOptions:
+    """plan()'s keyword options (vLLM's serve flags and the drafter's label), as one value."""
+
+    drafter_label: str | None = None
+    kv_cache_dtype: str = "auto"
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    attention_backend: str | None = None
+    platform: str = "cuda"
+    block_size: int | None = None
+    enable_prefix_caching: bool = False
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+
+
+@dataclass(frozen=True)
 class KVPool:
     """The KV cache pool vLLM 0.23 builds from ``kv_cache_bytes`` for one plan, as it reports it at start.
 
@@ -714,24 +733,24 @@ def plan(
     A stock plan that fails says in its reason whether the patched build unifies the case.
     Raises KVPlanInputError for configs or options it cannot read.
     """
-    options = {
-        "drafter_label": drafter_label,
-        "kv_cache_dtype": kv_cache_dtype,
-        "mamba_cache_dtype": mamba_cache_dtype,
-        "mamba_ssm_cache_dtype": mamba_ssm_cache_dtype,
-        "dtype": dtype,
-        "tensor_parallel_size": tensor_parallel_size,
-        "attention_backend": attention_backend,
-        "platform": platform,
-        "block_size": block_size,
-        "enable_prefix_caching": enable_prefix_caching,
-        "max_model_len": max_model_len,
-        "max_num_batched_tokens": max_num_batched_tokens,
-        "max_num_seqs": max_num_seqs,
-    }
-    result = _plan(target_config, drafter_config, num_speculative_tokens, patched, **options)
+    options = PlanOptions(
+        drafter_label,
+        kv_cache_dtype,
+        mamba_cache_dtype,
+        mamba_ssm_cache_dtype,
+        dtype,
+        tensor_parallel_size,
+        attention_backend,
+        platform,
+        block_size,
+        enable_prefix_caching,
+        max_model_len,
+        max_num_batched_tokens,
+        max_num_seqs,
+    )
+    result = _plan(target_config, drafter_config, num_speculative_tokens, patched, options)
     if not result.ok and not patched:
-        fixed = _plan(target_config, drafter_config, num_speculative_tokens, True, **options)
+        fixed = _plan(target_config, drafter_config, num_speculative_tokens, True, options)
         if fixed.ok:
             hint = f"patch 0001 (sparkfleet's wheel) unifies it: attention block {fixed.attention_block_size}"
             if fixed.drafter_block_size is not None:
@@ -769,35 +788,22 @@ def _plan(
     drafter_config: dict[str, Any] | None,
     num_speculative_tokens: int,
     patched: bool,
-    *,
-    drafter_label: str | None = None,
-    kv_cache_dtype: str = "auto",
-    mamba_cache_dtype: str = "auto",
-    mamba_ssm_cache_dtype: str = "auto",
-    dtype: str = "auto",
-    tensor_parallel_size: int = 1,
-    attention_backend: str | None = None,
-    platform: str = "cuda",
-    block_size: int | None = None,
-    enable_prefix_caching: bool = False,
-    max_model_len: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    max_num_seqs: int | None = None,
+    options: PlanOptions,
 ) -> KVPlan:
     """plan() for one build. With prefix caching the modelled architectures run mamba cache mode
     "align" (none of them supports "all"), whose alignment is the one without prefix caching; what
     prefix caching changes is the GDN group's block, and so the scheduler's block sizes."""
     for name, value in (
-        ("max_model_len", max_model_len),
-        ("max_num_batched_tokens", max_num_batched_tokens),
-        ("max_num_seqs", max_num_seqs),
+        ("max_model_len", options.max_model_len),
+        ("max_num_batched_tokens", options.max_num_batched_tokens),
+        ("max_num_seqs", options.max_num_seqs),
     ):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
             raise KVPlanInputError(f"{name} {value!r} must be a positive integer")
-    if (max_num_batched_tokens is None) != (max_num_seqs is None):
+    if (options.max_num_batched_tokens is None) != (options.max_num_seqs is None):
         raise KVPlanInputError("give max_num_batched_tokens and max_num_seqs together (the step budget needs both)")
-    if platform not in PLATFORMS:
-        raise KVPlanInputError(f"platform {platform!r} is not modelled; use one of {', '.join(PLATFORMS)}")
+    if options.platform not in PLATFORMS:
+        raise KVPlanInputError(f"platform {options.platform!r} is not modelled; use one of {', '.join(PLATFORMS)}")
     if not isinstance(num_speculative_tokens, int) or num_speculative_tokens < 0:
         raise KVPlanInputError(
             f"num_speculative_tokens is {num_speculative_tokens!r}; it must be an integer >= 0 (0: no drafter)"
@@ -805,33 +811,41 @@ def _plan(
     if drafter_config is not None and num_speculative_tokens == 0:
         raise KVPlanInputError("num_speculative_tokens is 0 but a drafter config was given; pass 1 or more")
     for name, value, allowed in (
-        ("kv_cache_dtype", kv_cache_dtype, KV_CACHE_DTYPES),
-        ("mamba_cache_dtype", mamba_cache_dtype, MAMBA_CACHE_DTYPES),
-        ("mamba_ssm_cache_dtype", mamba_ssm_cache_dtype, MAMBA_CACHE_DTYPES),
-        ("dtype", dtype, ("auto", "bfloat16", "float16")),
+        ("kv_cache_dtype", options.kv_cache_dtype, KV_CACHE_DTYPES),
+        ("mamba_cache_dtype", options.mamba_cache_dtype, MAMBA_CACHE_DTYPES),
+        ("mamba_ssm_cache_dtype", options.mamba_ssm_cache_dtype, MAMBA_CACHE_DTYPES),
+        ("dtype", options.dtype, ("auto", "bfloat16", "float16")),
     ):
         if value not in allowed:
             raise KVPlanInputError(f"{name} {value!r} is not modelled; use one of {', '.join(allowed)}")
-    if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
-        raise KVPlanInputError(f"tensor_parallel_size {tensor_parallel_size!r} must be a positive integer")
-    if block_size is not None and (block_size <= 0 or block_size % 16):
-        raise KVPlanInputError(f"block_size {block_size} must be a positive multiple of 16")
-    backend = attention_backend or ("FLASH_ATTN" if platform == "cuda" else "CPU_ATTN")
+    if (
+        not isinstance(options.tensor_parallel_size, int)
+        or isinstance(options.tensor_parallel_size, bool)
+        or options.tensor_parallel_size < 1
+    ):
+        raise KVPlanInputError(f"tensor_parallel_size {options.tensor_parallel_size!r} must be a positive integer")
+    if options.block_size is not None and (options.block_size <= 0 or options.block_size % 16):
+        raise KVPlanInputError(f"block_size {options.block_size} must be a positive multiple of 16")
+    backend = options.attention_backend or ("FLASH_ATTN" if options.platform == "cuda" else "CPU_ATTN")
 
-    target = read_target(target_config, tensor_parallel_size)
-    label = drafter_label or "drafter"
-    drafter = read_drafter(drafter_config, tensor_parallel_size, label=label) if drafter_config is not None else None
-    model_dtype = target.dtype if dtype == "auto" else dtype
-    kv_bytes = DTYPE_BYTES[model_dtype if kv_cache_dtype == "auto" else kv_cache_dtype]
-    conv_dtype = model_dtype if mamba_cache_dtype == "auto" else mamba_cache_dtype
+    target = read_target(target_config, options.tensor_parallel_size)
+    label = options.drafter_label or "drafter"
+    drafter = (
+        read_drafter(drafter_config, options.tensor_parallel_size, label=label) if drafter_config is not None else None
+    )
+    model_dtype = target.dtype if options.dtype == "auto" else options.dtype
+    kv_bytes = DTYPE_BYTES[model_dtype if options.kv_cache_dtype == "auto" else options.kv_cache_dtype]
+    conv_dtype = model_dtype if options.mamba_cache_dtype == "auto" else options.mamba_cache_dtype
     # The SSM state dtype as cache_config holds it once the Qwen3.5 config hook has run ("auto" kept
     # for other models); FLASH_ATTN compares these strings, the state itself falls back to the conv dtype.
-    ssm_dtype_setting = mamba_ssm_cache_dtype if mamba_ssm_cache_dtype != "auto" else target.mamba_ssm_dtype
+    ssm_dtype_setting = (
+        options.mamba_ssm_cache_dtype if options.mamba_ssm_cache_dtype != "auto" else target.mamba_ssm_dtype
+    )
     ssm_dtype = ssm_dtype_setting or conv_dtype
-    mamba_float32 = "float32" in (ssm_dtype_setting, mamba_cache_dtype)
+    mamba_float32 = "float32" in (ssm_dtype_setting, options.mamba_cache_dtype)
     kernel_sizes = supported_kernel_block_sizes(backend, target.gdn is not None, mamba_float32)
 
-    initial_block = block_size or (DEFAULT_BLOCK_SIZE if platform == "cuda" else CPU_DEFAULT_BLOCK_SIZE)
+    initial_block = options.block_size or (DEFAULT_BLOCK_SIZE if options.platform == "cuda" else CPU_DEFAULT_BLOCK_SIZE)
     attn_bpt = target.attention.bytes_per_token(kv_bytes)
     drafter_bpt = drafter.attention.bytes_per_token(kv_bytes) if drafter else None
     n = num_speculative_tokens
@@ -840,7 +854,9 @@ def _plan(
     page_padded = None
     attention_block = initial_block
     if target.gdn is not None:
-        mamba_page = target.gdn.page_bytes(n, DTYPE_BYTES[conv_dtype], DTYPE_BYTES[ssm_dtype], tensor_parallel_size)
+        mamba_page = target.gdn.page_bytes(
+            n, DTYPE_BYTES[conv_dtype], DTYPE_BYTES[ssm_dtype], options.tensor_parallel_size
+        )
         kernel_alignment = max(min(s[1] if isinstance(s, tuple) else s for s in kernel_sizes), initial_block)
         attention_block = _align(initial_block, kernel_alignment, attn_bpt, mamba_page, drafter_bpt, patched)
         if attention_block * attn_bpt > mamba_page:
@@ -881,12 +897,14 @@ def _plan(
         )
 
     budget = None
-    if max_num_batched_tokens is not None and max_num_seqs is not None:
-        budget = step_token_budget(max_num_batched_tokens, max_num_seqs, n, drafter.architecture if drafter else None)
+    if options.max_num_batched_tokens is not None and options.max_num_seqs is not None:
+        budget = step_token_budget(
+            options.max_num_batched_tokens, options.max_num_seqs, n, drafter.architecture if drafter else None
+        )
         if budget <= 0:
             raise KVPlanInputError(
-                f"max_num_batched_tokens {max_num_batched_tokens} leaves no tokens per step after the drafting "
-                f"slots of {max_num_seqs} sequences at n={n} (vLLM refuses it); raise it"
+                f"max_num_batched_tokens {options.max_num_batched_tokens} leaves no tokens per step after the drafting "
+                f"slots of {options.max_num_seqs} sequences at n={n} (vLLM refuses it); raise it"
             )
     kernel_blocks: dict[str, int] = {}
     failure: _UnifyError | None = None
@@ -896,8 +914,10 @@ def _plan(
             (_unify_patched if patched else _unify_stock)(specs)
         _check_groups(specs)
         _check_runner(specs, kernel_sizes, kernel_blocks)
-        scheduler_blocks = _check_scheduler(specs, attention_block, enable_prefix_caching, max_model_len)
-        _check_prefill_budget(target.gdn is not None, enable_prefix_caching, attention_block, budget)
+        scheduler_blocks = _check_scheduler(
+            specs, attention_block, options.enable_prefix_caching, options.max_model_len
+        )
+        _check_prefill_budget(target.gdn is not None, options.enable_prefix_caching, attention_block, budget)
     except _UnifyError as exc:
         failure = exc
 
@@ -924,7 +944,7 @@ def _plan(
             step_token_budget=budget,
         )
     layout, group_size, groups = _kv_groups(
-        specs, n if n else 0, mamba_align=enable_prefix_caching and target.gdn is not None
+        specs, n if n else 0, mamba_align=options.enable_prefix_caching and target.gdn is not None
     )
     # the page of every KV cache group; a one-group model of several geometries has every layer's summed
     common_page = (
@@ -942,7 +962,7 @@ def _plan(
         detail += f", GDN page padded {padding_pct:.2f}%"
     if scheduler_blocks is not None:
         detail += f", scheduler block {scheduler_blocks[0]}"
-        if enable_prefix_caching:
+        if options.enable_prefix_caching:
             detail += f", prefix-cache hash block {scheduler_blocks[1]}"
             if target.gdn is not None and scheduler_blocks[0] > attention_block:
                 # a group block above the GDN block: hits need a GDN state on a scheduler-block boundary,

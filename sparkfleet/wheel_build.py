@@ -736,52 +736,24 @@ class HashingWriter:
         self.offset += len(data)
 
 
+def _entry_fields(name: bytes, flags: int, method: int, crc: int, csize: int, usize: int) -> tuple[int, ...]:
+    """The fields a local and a central header share, from the flags to the name's length."""
+    return (flags, method, ZIP_DOS_TIME, ZIP_DOS_DATE, crc, csize, usize, len(name))
+
+
 def _local_header(name: bytes, flags: int, method: int, crc: int, csize: int, usize: int) -> bytes:
-    return (
-        struct.pack(
-            "<IHHHHHIIIHH",
-            0x04034B50,
-            20,
-            flags,
-            method,
-            ZIP_DOS_TIME,
-            ZIP_DOS_DATE,
-            crc,
-            csize,
-            usize,
-            len(name),
-            0,
-        )
-        + name
-    )
+    fields = _entry_fields(name, flags, method, crc, csize, usize)
+    return struct.pack("<IHHHHHIIIHH", 0x04034B50, 20, *fields, 0) + name
 
 
 def _central_header(
     name: bytes, flags: int, method: int, crc: int, csize: int, usize: int, mode: int, offset: int
 ) -> bytes:
     version_made_by = (3 << 8) | 20  # unix, zip 2.0
+    fields = _entry_fields(name, flags, method, crc, csize, usize)
+    external = (0o100000 | mode) << 16
     return (
-        struct.pack(
-            "<IHHHHHHIIIHHHHHII",
-            0x02014B50,
-            version_made_by,
-            20,
-            flags,
-            method,
-            ZIP_DOS_TIME,
-            ZIP_DOS_DATE,
-            crc,
-            csize,
-            usize,
-            len(name),
-            0,
-            0,
-            0,
-            0,
-            (0o100000 | mode) << 16,
-            offset,
-        )
-        + name
+        struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version_made_by, 20, *fields, 0, 0, 0, 0, external, offset) + name
     )
 
 

@@ -136,21 +136,16 @@ BULKY_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "start_times", "gene
 def run_serving_bench(
     *,
     base_url: str,
-    model: str,
-    served_model_name: str,
     dataset_path: str,
-    tokenizer: str | None = None,
-    backend: str = "openai-chat",
-    num_prompts: int = 64,
-    max_concurrency: int = 8,
-    output_len: int | None = None,
-    seed: int = 0,
     vllm_command: list[str] | None = None,
     timeout_s: float = 3600.0,
     api_key: str | None = None,
+    **request: Any,
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """Run ``vllm bench serve``; return (figures, details, client_cpu). With ``api_key``, vLLM's client
-    gets it in its environment (OPENAI_API_KEY, which it sends as the bearer token), not in argv."""
+    """Run ``vllm bench serve``; return (figures, details, client_cpu). ``request``: the rest of
+    ``build_serve_argv``'s keywords (model, served_model_name, tokenizer, backend, num_prompts,
+    max_concurrency, output_len, seed). With ``api_key``, vLLM's client gets it in its environment
+    (OPENAI_API_KEY, which it sends as the bearer token), not in argv."""
     if not Path(dataset_path).is_file():
         raise ServingBenchError(f"dataset {dataset_path!r} not found; pass a ShareGPT-format JSON file")
     with tempfile.TemporaryDirectory(prefix="sparkfleet-serve-") as result_dir:
@@ -158,17 +153,10 @@ def run_serving_bench(
         argv = build_serve_argv(
             vllm_command=vllm_command or default_vllm_command(),
             base_url=base_url,
-            model=model,
-            served_model_name=served_model_name,
             dataset_path=dataset_path,
             result_dir=result_dir,
             result_filename=result_filename,
-            tokenizer=tokenizer,
-            backend=backend,
-            num_prompts=num_prompts,
-            max_concurrency=max_concurrency,
-            output_len=output_len,
-            seed=seed,
+            **request,
         )
         before = prom.fetch_metrics(base_url)
         with CpuMeter(include_children=True) as cpu:

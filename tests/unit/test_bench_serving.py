@@ -35,18 +35,22 @@ pathlib.Path(flag("--result-dir"), flag("--result-filename")).write_text(sys.std
 """
 
 
+def serve_argv(**overrides: object) -> list[str]:
+    """build_serve_argv with placeholder values for every required keyword, and the overrides."""
+    keywords: dict[str, object] = {
+        "vllm_command": ["vllm"],
+        "base_url": "u",
+        "model": "m",
+        "served_model_name": "s",
+        "dataset_path": "d",
+        "result_dir": "r",
+        "result_filename": "f",
+    }
+    return serving.build_serve_argv(**{**keywords, **overrides})
+
+
 def test_argv_uses_vllm_flags_and_chat_endpoint() -> None:
-    argv = serving.build_serve_argv(
-        vllm_command=["vllm"],
-        base_url="http://h:8000",
-        model="/m",
-        served_model_name="qwen",
-        dataset_path="d.json",
-        result_dir="/tmp/r",
-        result_filename="x.json",
-        tokenizer="/tok",
-        output_len=256,
-    )
+    argv = serve_argv(dataset_path="d.json", tokenizer="/tok", output_len=256)
     assert argv[:3] == ["vllm", "bench", "serve"]
     pairs = dict(zip(argv[3::1], argv[4::1], strict=False))
     assert pairs["--backend"] == "openai-chat" and pairs["--endpoint"] == "/v1/chat/completions"
@@ -54,28 +58,10 @@ def test_argv_uses_vllm_flags_and_chat_endpoint() -> None:
     assert pairs["--dataset-name"] == "sharegpt" and pairs["--dataset-path"] == "d.json"
     assert pairs["--sharegpt-output-len"] == "256" and pairs["--tokenizer"] == "/tok"
     assert "--save-result" in argv
-    completions = serving.build_serve_argv(
-        vllm_command=["vllm"],
-        base_url="u",
-        model="m",
-        served_model_name="s",
-        dataset_path="d",
-        result_dir="r",
-        result_filename="f",
-        backend="vllm",
-    )
+    completions = serve_argv(backend="vllm")
     assert completions[completions.index("--endpoint") + 1] == "/v1/completions"
     with pytest.raises(serving.ServingBenchError, match="backend 'tgi'"):
-        serving.build_serve_argv(
-            vllm_command=["v"],
-            base_url="u",
-            model="m",
-            served_model_name="s",
-            dataset_path="d",
-            result_dir="r",
-            result_filename="f",
-            backend="tgi",
-        )
+        serve_argv(backend="tgi")
 
 
 def test_figures_from_recorded_result() -> None:

@@ -132,44 +132,33 @@ def chat(user: str, system: str | None = None) -> list[dict[str, str]]:
     return messages
 
 
-def prose_set() -> dict[str, object]:
+def chat_set(name: str, description: str, prompts: list[str]) -> dict[str, object]:
+    """A workload of one-turn chats, one request per prompt (ids NAME-01, NAME-02, ...)."""
     requests = [
-        {
-            "id": f"prose-{index:02d}",
-            "messages": chat(f"Write a short essay of about 300 words about {topic}."),
-            "max_tokens": 512,
-        }
-        for index, topic in enumerate(PROSE_TOPICS, 1)
+        {"id": f"{name}-{index:02d}", "messages": chat(prompt), "max_tokens": 512}
+        for index, prompt in enumerate(prompts, 1)
     ]
-    return {
-        "name": "prose",
-        "description": "Open-ended essays: low draft acceptance (the reference's 'Prose' row).",
-        "requests": requests,
-    }
+    return {"name": name, "description": description, "requests": requests}
+
+
+def prose_set() -> dict[str, object]:
+    return chat_set(
+        "prose",
+        "Open-ended essays: low draft acceptance (the reference's 'Prose' row).",
+        [f"Write a short essay of about 300 words about {topic}." for topic in PROSE_TOPICS],
+    )
 
 
 def code_set() -> dict[str, object]:
-    requests = [
-        {"id": f"code-{index:02d}", "messages": chat(task), "max_tokens": 512}
-        for index, task in enumerate(CODE_TASKS, 1)
-    ]
-    return {
-        "name": "code",
-        "description": "Small programming tasks: medium acceptance (the reference's 'Code' row).",
-        "requests": requests,
-    }
+    return chat_set("code", "Small programming tasks: medium acceptance (the reference's 'Code' row).", CODE_TASKS)
 
 
 def counting_set() -> dict[str, object]:
-    requests = [
-        {"id": f"counting-{index:02d}", "messages": chat(task), "max_tokens": 512}
-        for index, task in enumerate(COUNTING_TASKS, 1)
-    ]
-    return {
-        "name": "counting",
-        "description": "Highly predictable sequences: acceptance near the draft length (the 'Counting' row).",
-        "requests": requests,
-    }
+    return chat_set(
+        "counting",
+        "Highly predictable sequences: acceptance near the draft length (the 'Counting' row).",
+        COUNTING_TASKS,
+    )
 
 
 def agent_system_prompt() -> str:
