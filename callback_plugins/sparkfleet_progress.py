@@ -3,7 +3,8 @@
 A long step (a vLLM start: ~3 min on a GB10, ~8 min on a first load) runs as an async job while a task
 polls it and retries; Ansible prints only "FAILED - RETRYING" for each poll. A poll that prints a line
 starting with ``progress:`` on stdout (``sparkfleet-start-progress``) gets that line shown, with the
-host, at once.
+host, at once. So does each item of a loop that does a long job step by step (the hub download:
+``sparkfleet weights fetch --progress``), as the item returns.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ type: aggregate
 short_description: show the "progress:" lines of retried polls as they come
 description:
   - For a task that retries (until/retries), prints the stdout lines of each attempt that start
-    with C(progress:), prefixed with the host, as soon as the attempt returns.
+    with C(progress:), prefixed with the host, as soon as the attempt returns; the same for each
+    item of a loop.
 requirements:
   - enable in ansible.cfg (callbacks_enabled)
 """
@@ -41,3 +43,5 @@ class CallbackModule(CallbackBase):
     def v2_runner_retry(self, result) -> None:  # noqa: ANN001 - Ansible's TaskResult
         for line in progress_lines(result._result):
             self._display.display(f"  [{result._host.get_name()}] {line}")
+
+    v2_runner_item_on_ok = v2_runner_retry

@@ -404,7 +404,12 @@ def fetch(
                 downloaded_files += 1
                 downloaded_bytes += entry.size
                 seconds = max(time.monotonic() - started, 1e-6)
-                say(f"{label}: downloaded in {seconds:.1f} s ({human_bytes(entry.size / seconds)}/s)")
+                held = sum(e.size for e in manifest.files if seed.has_content(manifest, e))
+                say(
+                    f"{label}: downloaded in {seconds:.1f} s ({human_bytes(entry.size / seconds)}/s); "
+                    f"{manifest.repo}: {human_bytes(held)} of {human_bytes(manifest.total_bytes)} in the seed "
+                    f"({100 * held / max(manifest.total_bytes, 1):.0f}%)"
+                )
             ok, sha256, why = verify_seed_file(Path(local), entry)
             if ok:
                 stat = Path(local).stat()
@@ -559,6 +564,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fetch_parser = actions.add_parser("fetch", help="download and verify the files of a manifest")
     fetch_parser.add_argument("--manifest", type=Path, required=True)
     fetch_parser.add_argument("--file", action="append", default=[], dest="files", help="only this file")
+    fetch_parser.add_argument(
+        "--progress", action="store_true", help='progress lines on stdout, each starting "progress: " (else stderr)'
+    )
     common(fetch_parser)
     fetch_parser.set_defaults(func=run_fetch)
 
@@ -648,7 +656,11 @@ def run_fetch(args: argparse.Namespace) -> int:
             endpoint=args.endpoint,
             token=token,
             only=args.files,
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
+            progress=(
+                (lambda line: print(f"progress: {line}", flush=True))
+                if args.progress
+                else (lambda line: print(line, file=sys.stderr, flush=True))
+            ),
         )
     except HubCacheError as error:
         print(f"sparkfleet weights: {error}", file=sys.stderr)

@@ -62,6 +62,10 @@ def test_one_seed_per_fleet_then_repair_from_the_seed(fleet, hub: HubDouble, tmp
     # N hosts, 1x the models' bytes from the hub
     assert hub.file_bytes_served() == total
     assert {g.path for g in hub.file_gets("z-lab/tiny-dflash")} and all(g.status == 200 for g in hub.file_gets())
+    # the download's progress reaches the Ansible output: each file's rate, each repo's bytes in the seed
+    shown = [line for line in first.output.splitlines() if "downloaded in" in line and "in the seed" in line]
+    for repo in ("org/tiny-qwen3", "z-lab/tiny-dflash"):
+        assert any(f"; {repo}: " in line and "(100%)" in line for line in shown), first.output[-4000:]
     for host in HOSTS:
         assert any(
             f"model_cache {host}: 2 hub models, 12 files," in line and f"({total} bytes)" in line

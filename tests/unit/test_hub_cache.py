@@ -116,6 +116,34 @@ def test_fetch_verifies_writes_the_manifest_and_asks_once(hub: HubDouble, repos:
     assert len(hub.file_gets(TARGET)) == 3
 
 
+def test_each_download_says_its_rate_and_the_bytes_the_seed_holds(hub: HubDouble, repos: dict, tmp_path: Path) -> None:
+    """What an operator sees of a long download (``weights fetch --progress``, one role step per big
+    file): every file's rate, and the repo's bytes in the seed so far against its total."""
+    manifest = describe(TARGET, repos["target"], endpoint=hub.endpoint, token=False)
+    sizes = {f.path: f.size for f in manifest.files}
+    first = "model.safetensors"
+    lines: list[str] = []
+    fetch(manifest, tmp_path, endpoint=hub.endpoint, token=False, only=[first], progress=lines.append)
+    done = [line for line in lines if "downloaded in" in line]
+    total = hub_cache.human_bytes(manifest.total_bytes)
+    held = hub_cache.human_bytes(sizes[first])
+    share = f"({100 * sizes[first] / manifest.total_bytes:.0f}%)"
+    assert len(done) == 1 and first in done[0] and "/s);" in done[0], lines
+    assert done[0].endswith(f"{TARGET}: {held} of {total} in the seed {share}"), done[0]
+
+    rest = [path for path in sizes if path != first]
+    manifest_file = str(hub_cache.SeedCache(tmp_path).write_manifest(manifest))
+    fetched = subprocess.run(
+        [sys.executable, "-m", "sparkfleet.hub_cache", "fetch", "--manifest", manifest_file,
+         "--seed-dir", str(tmp_path), "--endpoint", hub.endpoint, "--progress", *[f"--file={p}" for p in rest]],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, check=False,
+    )  # fmt: skip
+    assert fetched.returncode == 0, fetched.stderr
+    progress = [line for line in fetched.stdout.splitlines() if line.startswith("progress: ")]
+    assert len([line for line in progress if "downloaded in" in line]) == len(rest), fetched.stdout
+    assert progress[-1].endswith(f"{total} of {total} in the seed (100%)"), fetched.stdout
+
+
 def test_allow_patterns_limit_the_files(hub: HubDouble, repos: dict, tmp_path: Path) -> None:
     manifest = describe(TARGET, repos["target"], endpoint=hub.endpoint, token=False, allow_patterns=["*.json"])
     assert {f.path for f in manifest.files} == {"config.json", "tokenizer_config.json"}

@@ -94,7 +94,7 @@ def load_callback():
     return module
 
 
-def test_the_callback_shows_progress_lines_of_each_retry() -> None:
+def test_the_callback_shows_progress_lines_of_each_retry_and_loop_item() -> None:
     callback = load_callback()
     shown: list[str] = []
 
@@ -117,5 +117,11 @@ def test_the_callback_shows_progress_lines_of_each_retry() -> None:
     plugin.v2_runner_retry(Result())
     Result._result = {"msg": "no stdout"}
     plugin.v2_runner_retry(Result())
-    assert shown == ["  [spark-01] unit activating (start-post), 30 s: Loading weights"]
+    # a loop's item (the hub download's steps) shows its lines as it returns
+    Result._result = {"stdout": "progress: a (1 GiB): downloaded in 2.0 s (512 MiB/s); org/a: 1 GiB of 4 GiB\n{}"}
+    plugin.v2_runner_item_on_ok(Result())
+    assert shown == [
+        "  [spark-01] unit activating (start-post), 30 s: Loading weights",
+        "  [spark-01] a (1 GiB): downloaded in 2.0 s (512 MiB/s); org/a: 1 GiB of 4 GiB",
+    ]
     assert "sparkfleet_progress" in (ROOT / "ansible.cfg").read_text()
