@@ -10,6 +10,7 @@ from ansible.errors import AnsibleFilterError
 from sparkfleet import doctor as _doctor
 from sparkfleet import model_pins as _model_pins
 from sparkfleet import profiles as _profiles
+from sparkfleet import serving_state as _serving_state
 from sparkfleet import unit_state as _unit_state
 
 
@@ -101,6 +102,21 @@ def sparkfleet_last_error(journal: list[str]) -> str:
     return _unit_state.last_error(journal or [])
 
 
+def sparkfleet_state(slurped: dict[str, Any], where: str) -> dict[str, Any]:
+    """``slurp_result | sparkfleet_state(inventory_hostname)``: the host's state.json, checked against its
+    schema, with ``probe`` (host, port, url) and ``revisions`` (model, drafter); {} when there is none
+    (sparkfleet.serving_state)."""
+    try:
+        return _serving_state.from_slurp(slurped, where)
+    except _serving_state.StateError as exc:
+        raise AnsibleFilterError(str(exc)) from exc
+
+
+def sparkfleet_probe_host(bind: str) -> str:
+    """``bind_address | sparkfleet_probe_host``: the address a probe on the host itself uses."""
+    return _serving_state.probe_host(bind)
+
+
 def sparkfleet_pinned_models(models: dict[str, Any], pins: dict[str, Any] | None) -> dict[str, Any]:
     """``sparkfleet_models | sparkfleet_pinned_models(sparkfleet_model_revisions)``: the models with the
     inventory's pins (make pin) over them."""
@@ -154,6 +170,8 @@ class FilterModule:
             "sparkfleet_unit_state": sparkfleet_unit_state,
             "sparkfleet_last_error": sparkfleet_last_error,
             "sparkfleet_pinned_models": sparkfleet_pinned_models,
+            "sparkfleet_state": sparkfleet_state,
+            "sparkfleet_probe_host": sparkfleet_probe_host,
             "sparkfleet_doctor": sparkfleet_doctor,
             "sparkfleet_doctor_row": sparkfleet_doctor_row,
             "sparkfleet_doctor_fixes": sparkfleet_doctor_fixes,

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from sparkfleet import startup, unit_state
+from sparkfleet import serving_state, startup, unit_state
 
 DEFAULT_INVENTORY = "inventory/sandbox"
 DEFAULT_HOST_PATTERN = "spark"  # the group the playbooks target (sparkfleet_hosts defaults to it)
@@ -647,12 +647,17 @@ STATUS_COLUMNS = (
 
 def status_row(host: FleetHost, probe: dict[str, Any]) -> tuple[bool, dict[str, str], list[str]]:
     """(ok, row, problems) for one host's probe."""
-    state = probe.get("state") if isinstance(probe.get("state"), dict) else {}
+    state: dict[str, Any] = {}
     problems: list[str] = []
     if probe.get("state_error"):
         problems.append(f"state.json unreadable: {probe['state_error']}")
-    elif not state:
+    elif not probe.get("state"):
         problems.append(f"no {host.config_dir}/state.json (not deployed)")
+    else:
+        try:
+            state = serving_state.check(probe["state"], f"{host.name}:{host.config_dir}")
+        except serving_state.StateError as exc:
+            problems.append(str(exc))
     unit = probe.get("unit") or {}
     load, active, sub = unit.get("LoadState", "?"), unit.get("ActiveState", "?"), unit.get("SubState", "?")
     if unit.get("error"):
@@ -877,7 +882,6 @@ def bench_command(host: FleetHost, probe: dict[str, Any], options: BenchOptions,
     profile = str(state.get("profile") or host.profile)
     # the serve_bench role's naming: <UTC stamp>-<method>.json, the last one also as latest.json
     result_path = f"{bench_dir}/{stamp}-decode.json"
-    revisions = state.get("model_revisions") or {}
     argv = [
         f"{venv}/bin/python",
         "-m",
@@ -906,9 +910,9 @@ def bench_command(host: FleetHost, probe: dict[str, Any], options: BenchOptions,
     if state.get("patchset_id"):
         argv += ["--patch-set", str(state["patchset_id"])]
     for flag, path_key in (("--model-revision", "model_path"), ("--drafter-revision", "drafter_path")):
-        name = PurePosixPath(str(state.get(path_key) or "")).name
-        if name and revisions.get(name):
-            argv += [flag, str(revisions[name])]
+        revision = serving_state.revision_of(state, path_key)
+        if revision:
+            argv += [flag, revision]
     if options.ignore_eos:
         argv.append("--ignore-eos")
     if state.get("secrets_file"):  # the key is read there, as root, never passed in argv

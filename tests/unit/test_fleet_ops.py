@@ -406,6 +406,14 @@ def test_probe_of_an_undeployed_host_says_so(tmp_path: Path) -> None:
     assert "no /etc/sparkfleet/state.json (not deployed)" in problems
 
 
+def test_a_state_that_breaks_the_schema_is_a_problem_naming_the_key(tmp_path: Path, fake_api: int) -> None:
+    probe = run_probe_locally(tmp_path, fake_api, {key: value for key, value in STATE.items() if key != "unit"})
+    probe["unit"] = {"LoadState": "loaded", "ActiveState": "active", "SubState": "running"}
+    ok, row, problems = fleet_ops.status_row(sandbox_host(), probe)
+    assert ok is False and row["profile"] == "(dflash)"
+    assert "spark-01:/etc/sparkfleet: state.json has no 'unit'; deploy the host again" in problems[0]
+
+
 def test_probe_reports_a_broken_bench_file_and_a_wrong_served_model(tmp_path: Path, fake_api: int) -> None:
     FakeServer.models = ["other"]
     try:
