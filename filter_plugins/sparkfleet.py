@@ -117,6 +117,11 @@ def sparkfleet_probe_host(bind: str) -> str:
     return _serving_state.probe_host(bind)
 
 
+def sparkfleet_unit_name(profile: str) -> str:
+    """``profile_name | sparkfleet_unit_name``: the systemd unit that serves the profile."""
+    return _serving_state.unit_name(profile)
+
+
 def sparkfleet_pinned_models(models: dict[str, Any], pins: dict[str, Any] | None) -> dict[str, Any]:
     """``sparkfleet_models | sparkfleet_pinned_models(sparkfleet_model_revisions)``: the models with the
     inventory's pins (make pin) over them."""
@@ -172,6 +177,7 @@ class FilterModule:
             "sparkfleet_pinned_models": sparkfleet_pinned_models,
             "sparkfleet_state": sparkfleet_state,
             "sparkfleet_probe_host": sparkfleet_probe_host,
+            "sparkfleet_unit_name": sparkfleet_unit_name,
             "sparkfleet_doctor": sparkfleet_doctor,
             "sparkfleet_doctor_row": sparkfleet_doctor_row,
             "sparkfleet_doctor_fixes": sparkfleet_doctor_fixes,

@@ -183,7 +183,7 @@ class FleetHost:
     @property
     def fallback_unit(self) -> str:
         """The unit of the inventory's profile, for hosts without a state.json yet."""
-        return f"sparkfleet-vllm-{self.profile}.service"
+        return serving_state.unit_name(self.profile)
 
 
 def _literal(host: str, variables: dict[str, Any], name: str, default: Any = None) -> Any:

@@ -40,6 +40,11 @@ SCHEMA: dict[str, tuple[type, bool]] = {
 WILDCARD_BINDS = ("0.0.0.0", "::", "")
 
 
+def unit_name(profile: str) -> str:
+    """The systemd unit that serves ``profile``."""
+    return f"sparkfleet-vllm-{profile}.service"
+
+
 class StateError(ValueError):
     """A state.json that is not what the vllm_service role writes."""
 
