@@ -14,34 +14,6 @@ from sparkfleet import serving_state as _serving_state
 from sparkfleet import unit_state as _unit_state
 
 
-def sparkfleet_profile(
-    name: str,
-    builtin: dict[str, Any],
-    site: dict[str, Any] | None = None,
-    serve_args_common: dict[str, Any] | None = None,
-    env_common: dict[str, Any] | None = None,
-    serve_args_platform: dict[str, Any] | None = None,
-    env_platform: dict[str, Any] | None = None,
-    serve_args_host: dict[str, Any] | None = None,
-    tuned: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """``name | sparkfleet_profile(builtin, site, common_args, common_env, platform_args, platform_env)``:
-    the resolved profile dict; raises AnsibleFilterError naming an unknown profile and the valid ones."""
-    try:
-        return _profiles.resolve(
-            _profiles.all_profiles(builtin, site),
-            name,
-            serve_args_common,
-            env_common,
-            serve_args_platform,
-            env_platform,
-            serve_args_host,
-            tuned,
-        )
-    except _profiles.ProfileError as exc:
-        raise AnsibleFilterError(str(exc)) from exc
-
-
 def sparkfleet_with_speculative_tokens(resolved: dict[str, Any], n: int) -> dict[str, Any]:
     """``profile | sparkfleet_with_speculative_tokens(n)``: the resolved profile drafting n tokens, its
     health gate's acceptance length scaled to n (sparkfleet.profiles.with_speculative_tokens)."""
@@ -163,7 +135,6 @@ def sparkfleet_doctor_fixes_pair(pair: tuple[list[dict[str, Any]], str]) -> list
 class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
-            "sparkfleet_profile": sparkfleet_profile,
             "sparkfleet_with_speculative_tokens": sparkfleet_with_speculative_tokens,
             "sparkfleet_profile_names": sparkfleet_profile_names,
             "sparkfleet_profile_errors": sparkfleet_profile_errors,

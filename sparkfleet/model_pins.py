@@ -236,14 +236,7 @@ def pin(
     from sparkfleet import kv_page_plan, profiles
 
     gv = profiles.inventory_profiles(inventory)
-    resolved = profiles.resolve(
-        profiles.all_profiles(gv["sparkfleet_profiles_builtin"], gv.get("sparkfleet_profiles_site")),
-        profile,
-        gv.get("sparkfleet_serve_args_common"),
-        gv.get("sparkfleet_env_common"),
-        gv.get("sparkfleet_serve_args_platform"),
-        gv.get("sparkfleet_env_platform"),
-    )
+    resolved = profiles.resolve_from(gv, profile)
     current = read_pins(inventory)
     models = apply_pins(gv.get("sparkfleet_models") or {}, gv.get(PINS_VARIABLE))
     wanted, notes = hub_models(resolved, models)

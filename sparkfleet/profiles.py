@@ -127,6 +127,24 @@ def resolve(
     return resolved
 
 
+# The inventory variables a profile's layers come from, in resolve()'s order after the profile's name.
+LAYER_VARIABLES = (
+    "sparkfleet_serve_args_common",
+    "sparkfleet_env_common",
+    "sparkfleet_serve_args_platform",
+    "sparkfleet_env_platform",
+    "sparkfleet_serve_args_host",
+    "sparkfleet_tuned",
+)
+
+
+def resolve_from(variables: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """``resolve`` with every layer read from inventory ``variables`` (a host's, or group_vars/all):
+    the one way a profile is resolved, by plays (the sparkfleet_profile lookup) and by the CLI."""
+    profiles = all_profiles(variables["sparkfleet_profiles_builtin"], variables.get("sparkfleet_profiles_site"))
+    return resolve(profiles, name, *(variables.get(layer) for layer in LAYER_VARIABLES))
+
+
 def with_speculative_tokens(resolved: Mapping[str, Any], n: int) -> dict[str, Any]:
     """The resolved profile drafting ``n`` tokens per step instead of its own number.
 
@@ -410,15 +428,7 @@ def inventory_profiles(inventory: Path) -> dict[str, Any]:
 def _cmd_check(args: argparse.Namespace) -> int:
     try:
         gv = inventory_profiles(Path(args.inventory))
-        profiles = all_profiles(gv["sparkfleet_profiles_builtin"], gv.get("sparkfleet_profiles_site"))
-        resolved = resolve(
-            profiles,
-            args.name,
-            gv.get("sparkfleet_serve_args_common"),
-            gv.get("sparkfleet_env_common"),
-            gv.get("sparkfleet_serve_args_platform"),
-            gv.get("sparkfleet_env_platform"),
-        )
+        resolved = resolve_from(gv, args.name)
     except ProfileError as exc:
         print(f"sparkfleet: {exc}", file=sys.stderr)
         return 2

@@ -113,8 +113,9 @@ def test_profile_check_cli_refuses_unpinned_weights_one_line_each(tmp_path: Path
     assert accepted.returncode == 0, accepted.stderr
 
 
-def site_inventory(tmp_path: Path, site: dict) -> Path:
-    """An inventory of this machine (local connection) with the shared group_vars and ``site`` over them."""
+def site_inventory(tmp_path: Path, site: dict, host_vars: dict | None = None) -> Path:
+    """An inventory of this machine (local connection) with the shared group_vars and ``site`` over them,
+    and ``host_vars`` on its one host."""
     inventory = tmp_path / "inventory"
     group_vars = inventory / "group_vars" / "all"
     group_vars.mkdir(parents=True)
@@ -122,15 +123,30 @@ def site_inventory(tmp_path: Path, site: dict) -> Path:
         (group_vars / f"00-{name}").symlink_to(ROOT / "inventory/group_vars/all" / name)
     (group_vars / "50-site.yml").write_text(yaml.safe_dump(site))
     hosts = {
-        "all": {"hosts": {"spark-x": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}
+        "all": {
+            "hosts": {
+                "spark-x": {
+                    "ansible_connection": "local",
+                    "ansible_python_interpreter": sys.executable,
+                    **(host_vars or {}),
+                }
+            }
+        }
     }
     (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
     return inventory
 
 
-def run_resolve(tmp_path: Path, site: dict) -> tuple[subprocess.CompletedProcess, Path]:
-    """Run the deploy playbooks' resolve-profile.yml on this machine; the model_cache list lands in a file."""
-    inventory = site_inventory(tmp_path, site)
+def run_resolve(
+    tmp_path: Path,
+    site: dict,
+    host_vars: dict | None = None,
+    keep: str = "__deploy_model_cache_models",
+    extra: tuple[str, ...] = (),
+) -> tuple[subprocess.CompletedProcess, Path]:
+    """Run the deploy playbooks' resolve-profile.yml on this machine; the fact ``keep`` (the model_cache
+    list) lands in a file."""
+    inventory = site_inventory(tmp_path, site, host_vars)
     out = tmp_path / "model_cache_models.json"
     play = [
         {
@@ -141,7 +157,7 @@ def run_resolve(tmp_path: Path, site: dict) -> tuple[subprocess.CompletedProcess
                 {
                     "name": "Keep what model_cache gets",
                     "ansible.builtin.copy": {
-                        "content": "{{ __deploy_model_cache_models | to_json }}",
+                        "content": "{{ " + keep + " | to_json }}",
                         "dest": str(out),
                     },
                 },
@@ -151,7 +167,7 @@ def run_resolve(tmp_path: Path, site: dict) -> tuple[subprocess.CompletedProcess
     (tmp_path / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
     env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
     proc = subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", str(inventory / "hosts.yml"), str(tmp_path / "play.yml")],
+        [str(ANSIBLE_PLAYBOOK), "-i", str(inventory / "hosts.yml"), str(tmp_path / "play.yml"), *extra],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -160,6 +176,34 @@ def run_resolve(tmp_path: Path, site: dict) -> tuple[subprocess.CompletedProcess
         check=False,
     )
     return proc, out
+
+
+@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+def test_a_play_resolves_the_profile_with_every_inventory_layer_of_its_host(tmp_path: Path) -> None:
+    """The sparkfleet_profile lookup reads every layer (sparkfleet.profiles.LAYER_VARIABLES) from the host's
+    variables, extra vars included, as sparkfleet.profiles.resolve_from does."""
+    site = {
+        "sparkfleet_profile": "dflash",
+        "sparkfleet_models": pinned_models(),
+        "sparkfleet_serve_args_common": {"max-num-seqs": 3},
+    }
+    host_vars = {
+        "sparkfleet_serve_args_host": {"gpu-memory-utilization": 0.7},
+        "sparkfleet_tuned": {"dflash": {"num_speculative_tokens": 9, "measured": "test"}},
+    }
+    extra = ("-e", '{"sparkfleet_env_platform": {"SPARKFLEET_TEST_LAYER": "extra"}}')
+    proc, out = run_resolve(tmp_path / "layers", site, host_vars, keep="__deploy_profile", extra=extra)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    resolved = json.loads(out.read_text())
+    variables = {**SHARED, **yaml.safe_load((ROOT / "inventory/group_vars/all/sparkfleet.yml").read_text())}
+    variables.update(site, **host_vars, sparkfleet_env_platform={"SPARKFLEET_TEST_LAYER": "extra"})
+    assert resolved == json.loads(json.dumps(profiles.resolve_from(variables, "dflash")))
+    assert resolved["serve_args"]["max-num-seqs"] == 3 and resolved["serve_args"]["gpu-memory-utilization"] == 0.7
+    assert resolved["speculative"]["num_speculative_tokens"] == 9
+    assert resolved["env"]["SPARKFLEET_TEST_LAYER"] == "extra"
+
+    unknown, _ = run_resolve(tmp_path / "unknown", {**site, "sparkfleet_profile": "turbo"})
+    assert unknown.returncode != 0 and "unknown profile 'turbo': valid profiles are" in unknown.stdout
 
 
 @pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")

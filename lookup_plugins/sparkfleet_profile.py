@@ -1,0 +1,59 @@
+"""Lookup ``sparkfleet_profile``: a serving profile resolved with this host's inventory layers.
+
+The one way plays resolve a profile (deploy, switch, rolling, tune, bench, doctor and the profile check):
+sparkfleet.profiles.resolve_from reads the profiles and every layer (sparkfleet.profiles.LAYER_VARIABLES)
+from the task's variables, so no play lists them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ansible.errors import AnsibleLookupError
+from ansible.plugins.lookup import LookupBase
+
+# sparkfleet is installed in the controller venv (make venv), where ansible-playbook runs
+from sparkfleet import profiles
+
+DOCUMENTATION = r"""
+name: sparkfleet_profile
+short_description: A sparkfleet serving profile, resolved with the host's inventory layers
+description:
+  - Returns the profile named by the term with C(serve_args) and C(env) layered from the inventory
+    (sparkfleet_serve_args_common, sparkfleet_env_common, sparkfleet_serve_args_platform,
+    sparkfleet_env_platform, sparkfleet_serve_args_host) and C(sparkfleet_tuned) applied.
+  - An unknown profile or a bad layer fails with one line naming it (sparkfleet.profiles.ProfileError).
+options:
+  _terms:
+    description: The profile's name.
+    required: true
+"""
+
+EXAMPLES = r"""
+- name: Resolve the profile
+  ansible.builtin.set_fact:
+    profile: "{{ lookup('sparkfleet_profile', sparkfleet_profile) }}"
+"""
+
+RETURN = r"""
+_raw:
+  description: The resolved profile.
+  type: list
+  elements: dict
+"""
+
+VARIABLES = ("sparkfleet_profiles_builtin", "sparkfleet_profiles_site", *profiles.LAYER_VARIABLES)
+
+
+class LookupModule(LookupBase):
+    def run(self, terms: list[Any], variables: dict[str, Any] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+        if len(terms) != 1:
+            raise AnsibleLookupError(f"sparkfleet_profile takes one profile name, got {terms!r}")
+        variables = variables or {}
+        layers = {name: self._templar.template(variables[name]) for name in VARIABLES if name in variables}
+        if "sparkfleet_profiles_builtin" not in layers:
+            raise AnsibleLookupError("sparkfleet_profiles_builtin is not defined: is inventory/group_vars/all linked?")
+        try:
+            return [profiles.resolve_from(layers, str(terms[0]))]
+        except profiles.ProfileError as exc:
+            raise AnsibleLookupError(str(exc)) from exc
