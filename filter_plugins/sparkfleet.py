@@ -43,16 +43,31 @@ def sparkfleet_model_errors(resolved: dict[str, Any], models: dict[str, Any]) ->
     return _profiles.model_errors(resolved, models)
 
 
-def sparkfleet_serve_argv(serve_args: dict[str, Any]) -> list[str]:
-    """``serve_args | sparkfleet_serve_argv``: the `vllm serve` flags as an argv list."""
-    if not isinstance(serve_args, dict):
-        raise AnsibleFilterError(f"sparkfleet_serve_argv expects a dict of flags, got {serve_args!r}")
-    return _profiles.serve_argv(serve_args)
+def sparkfleet_vllm_argv(
+    resolved: dict[str, Any],
+    venv: str,
+    model_path: str,
+    drafter_path: str,
+    served_model_name: str,
+    host: str,
+    port: int,
+) -> list[str]:
+    """``profile | sparkfleet_vllm_argv(venv, model_path, drafter_path, served_name, host, port)``: the
+    `vllm serve` command line of the unit (sparkfleet.profiles.vllm_argv)."""
+    return _profiles.vllm_argv(
+        resolved,
+        venv=venv,
+        model_path=model_path,
+        drafter_path=drafter_path,
+        served_model_name=served_model_name,
+        host=host,
+        port=port,
+    )
 
 
-def sparkfleet_speculative_config(resolved: dict[str, Any], drafter_path: str | None = None) -> str:
-    """The --speculative-config JSON with the drafter's local path ('' when the profile doesn't speculate)."""
-    return _profiles.speculative_config(resolved, drafter_path) or ""
+def sparkfleet_service_env(resolved: dict[str, Any], cache_dir: str, patchset_id: str) -> dict[str, str]:
+    """``profile | sparkfleet_service_env(cache_dir, patchset_id)``: the unit's environment."""
+    return _profiles.service_env(resolved, cache_dir=cache_dir, patchset_id=patchset_id)
 
 
 def sparkfleet_systemd_args(argv: list[str]) -> str:
@@ -140,8 +155,8 @@ class FilterModule:
             "sparkfleet_profile_errors": sparkfleet_profile_errors,
             "sparkfleet_model_cache_entries": sparkfleet_model_cache_entries,
             "sparkfleet_model_errors": sparkfleet_model_errors,
-            "sparkfleet_serve_argv": sparkfleet_serve_argv,
-            "sparkfleet_speculative_config": sparkfleet_speculative_config,
+            "sparkfleet_vllm_argv": sparkfleet_vllm_argv,
+            "sparkfleet_service_env": sparkfleet_service_env,
             "sparkfleet_systemd_args": sparkfleet_systemd_args,
             "sparkfleet_unit_state": sparkfleet_unit_state,
             "sparkfleet_last_error": sparkfleet_last_error,

@@ -378,6 +378,59 @@ def speculative_config(resolved: Mapping[str, Any], drafter_path: str | None) ->
     return json.dumps(config, separators=(",", ":"), sort_keys=True)
 
 
+def vllm_argv(
+    resolved: Mapping[str, Any],
+    *,
+    venv: str,
+    model_path: str,
+    drafter_path: str | None,
+    served_model_name: str,
+    host: str,
+    port: int | str,
+) -> list[str]:
+    """The `vllm serve` command line the unit runs for the resolved profile (under the memory guard)."""
+    spec = speculative_config(resolved, drafter_path)
+    return [
+        f"{venv}/bin/vllm",
+        "serve",
+        model_path,
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *serve_argv(resolved.get("serve_args") or {}),
+        *(["--speculative-config", spec] if spec else []),
+    ]
+
+
+def service_env(resolved: Mapping[str, Any], *, cache_dir: str, patchset_id: str) -> dict[str, str]:
+    """The unit's environment: the profile's, and over it where every cache lives and what is served.
+
+    torch.compile's and Triton's caches default to /tmp and $HOME, which PrivateTmp= empties at every
+    start and ProtectHome= hides: TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR keep them where a restart
+    finds them again. CUDA_CACHE_PATH does the same for the driver's JIT cache: PyPI's aarch64 wheel has
+    its FA2 kernels only as sm_80 SASS + compute_80 PTX, which a GB10 compiles at first use (4 GiB, the
+    driver's maximum, holds them). The server never reaches the hub (HF_HUB_OFFLINE: weights are verified
+    and cached before it starts)."""
+    return {
+        **(resolved.get("env") or {}),
+        "HF_HOME": f"{cache_dir}/hf",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CACHE_ROOT": f"{cache_dir}/vllm",
+        "XDG_CACHE_HOME": f"{cache_dir}/xdg",
+        "TORCHINDUCTOR_CACHE_DIR": f"{cache_dir}/inductor",
+        "TRITON_CACHE_DIR": f"{cache_dir}/triton",
+        "CUDA_CACHE_PATH": f"{cache_dir}/nv",
+        "CUDA_CACHE_MAXSIZE": "4294967296",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "SPARKFLEET_PROFILE": str(resolved["name"]),
+        "SPARKFLEET_PATCHSET": patchset_id,
+    }
+
+
 # -- reading an inventory the way Ansible does, for the Makefile's early check ------------------
 
 

@@ -11,8 +11,10 @@ run for real on small processes.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -127,6 +129,35 @@ def test_only_one_profile_holds_the_gpu() -> None:
         "sparkfleet-vllm-base.service",
         "sparkfleet-vllm-dense.service",
     ]
+
+
+def test_exec_start_serves_the_profile_with_its_drafter_under_the_guard() -> None:
+    speculative = {"method": "dflash", "num_speculative_tokens": 7, "attention_backend": None}
+    profile = {**role_variables()["vllm_service_profile"], "speculative": speculative}
+    unit = render(
+        "sparkfleet-vllm.service.j2",
+        vllm_service_profile=profile,
+        vllm_service_drafter_path="/var/lib/sparkfleet/models/my drafter",
+        vllm_service_port=8123,
+    )
+    (exec_start,) = directives(unit, "ExecStart")
+    argv = shlex.split(exec_start)
+    guard = argv.index("--")
+    assert argv[0].endswith("/sparkfleet-memory-guard") and argv[guard + 1 :][:3] == [
+        "/opt/sparkfleet/venvs/vllm-0.23.0/bin/vllm",
+        "serve",
+        "/var/lib/sparkfleet/models/tiny",
+    ]
+    flags = argv[guard + 4 :]
+    assert flags[flags.index("--port") + 1] == "8123" and flags[flags.index("--max-num-seqs") + 1] == "3"
+    assert "--enforce-eager" in flags
+    spec = json.loads(flags[flags.index("--speculative-config") + 1])
+    assert spec == {"method": "dflash", "num_speculative_tokens": 7, "model": "/var/lib/sparkfleet/models/my drafter"}
+    environment = dict(line.strip('"').split("=", 1) for line in directives(unit, "Environment"))
+    assert environment["VLLM_CPU_KVCACHE_SPACE"] == "1" and environment["SPARKFLEET_PROFILE"] == "dflash"
+    assert environment["HF_HUB_OFFLINE"] == "1" and environment["TRITON_CACHE_DIR"].endswith("/cache/triton")
+    plain = render("sparkfleet-vllm.service.j2")
+    assert "--speculative-config" not in directives(plain, "ExecStart")[0]
 
 
 def test_the_start_timeout_covers_the_first_load_and_the_health_wait() -> None:
