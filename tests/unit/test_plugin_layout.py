@@ -49,6 +49,7 @@ def test_there_are_plugins_and_none_edits_sys_path() -> None:
     [
         "filter_plugins/sparkfleet.py",
         "lookup_plugins/sparkfleet_profile.py",
+        "lookup_plugins/sparkfleet_plan.py",
         "roles/spark_preflight/filter_plugins/spark_cuda.py",
         "roles/serve_health/filter_plugins/prometheus_text.py",
     ],

@@ -141,7 +141,7 @@ def run_resolve(
     tmp_path: Path,
     site: dict,
     host_vars: dict | None = None,
-    keep: str = "__deploy_model_cache_models",
+    keep: str = "sparkfleet_plan.model_cache",
     extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.CompletedProcess, Path]:
     """Run the deploy playbooks' resolve-profile.yml on this machine; the fact ``keep`` (the model_cache
@@ -192,7 +192,7 @@ def test_a_play_resolves_the_profile_with_every_inventory_layer_of_its_host(tmp_
         "sparkfleet_tuned": {"dflash": {"num_speculative_tokens": 9, "measured": "test"}},
     }
     extra = ("-e", '{"sparkfleet_env_platform": {"SPARKFLEET_TEST_LAYER": "extra"}}')
-    proc, out = run_resolve(tmp_path / "layers", site, host_vars, keep="__deploy_profile", extra=extra)
+    proc, out = run_resolve(tmp_path / "layers", site, host_vars, keep="sparkfleet_plan.profile", extra=extra)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resolved = json.loads(out.read_text())
     variables = {**SHARED, **yaml.safe_load((ROOT / "inventory/group_vars/all/sparkfleet.yml").read_text())}

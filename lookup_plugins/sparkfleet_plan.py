@@ -1,0 +1,55 @@
+"""Lookup ``sparkfleet_plan``: what this host serves, computed once (sparkfleet.serving_plan.build).
+
+The deploy, switch, rolling and tune plays call it first (playbooks/tasks/resolve-profile.yml) and keep
+the result as the host fact ``sparkfleet_plan``; every later step reads its parts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ansible.errors import AnsibleLookupError
+from ansible.plugins.lookup import LookupBase
+
+# sparkfleet is installed in the controller venv (make venv), where ansible-playbook runs
+from sparkfleet import profiles, serving_plan
+
+DOCUMENTATION = r"""
+name: sparkfleet_plan
+short_description: The serving plan of one host (profile, unit, models, wheel, venv)
+description:
+  - Resolves the profile named by the term with the host's inventory layers and returns the plan
+    sparkfleet.serving_plan.build describes (its module docstring lists the keys).
+  - An unknown profile, a bad layer or a missing setting fails with one line naming it.
+options:
+  _terms:
+    description: The profile's name.
+    required: true
+"""
+
+EXAMPLES = r"""
+- name: Plan what this host serves
+  ansible.builtin.set_fact:
+    sparkfleet_plan: "{{ lookup('sparkfleet_plan', sparkfleet_profile) }}"
+"""
+
+RETURN = r"""
+_raw:
+  description: The plan.
+  type: list
+  elements: dict
+"""
+
+
+class LookupModule(LookupBase):
+    def run(self, terms: list[Any], variables: dict[str, Any] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+        if len(terms) != 1:
+            raise AnsibleLookupError(f"sparkfleet_plan takes one profile name, got {terms!r}")
+        variables = variables or {}
+        known = {name: self._templar.template(variables[name]) for name in serving_plan.VARIABLES if name in variables}
+        if "sparkfleet_profiles_builtin" not in known:
+            raise AnsibleLookupError("sparkfleet_profiles_builtin is not defined: is inventory/group_vars/all linked?")
+        try:
+            return [serving_plan.build(known, str(terms[0]))]
+        except (profiles.ProfileError, serving_plan.PlanError) as exc:
+            raise AnsibleLookupError(str(exc)) from exc
