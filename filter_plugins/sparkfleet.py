@@ -8,7 +8,6 @@ from ansible.errors import AnsibleFilterError
 
 # sparkfleet is installed in the controller venv (make venv), where ansible-playbook runs
 from sparkfleet import doctor as _doctor
-from sparkfleet import model_pins as _model_pins
 from sparkfleet import profiles as _profiles
 from sparkfleet import serving_state as _serving_state
 from sparkfleet import unit_state as _unit_state
@@ -31,16 +30,6 @@ def sparkfleet_profile_names(builtin: dict[str, Any], site: dict[str, Any] | Non
 def sparkfleet_profile_errors(resolved: dict[str, Any], refused: list[dict[str, Any]] | None) -> list[str]:
     """One message per flag of the resolved profile that is known to break this model."""
     return _profiles.errors(resolved, refused)
-
-
-def sparkfleet_model_cache_entries(resolved: dict[str, Any], models: dict[str, Any]) -> list[dict[str, Any]]:
-    """``profile | sparkfleet_model_cache_entries(sparkfleet_models)``: model_cache_models for the profile."""
-    return _profiles.model_cache_entries(resolved, models)
-
-
-def sparkfleet_model_errors(resolved: dict[str, Any], models: dict[str, Any]) -> list[str]:
-    """One message per model of the profile that is missing or not pinned to a full commit."""
-    return _profiles.model_errors(resolved, models)
 
 
 def sparkfleet_vllm_argv(
@@ -109,12 +98,6 @@ def sparkfleet_unit_name(profile: str) -> str:
     return _serving_state.unit_name(profile)
 
 
-def sparkfleet_pinned_models(models: dict[str, Any], pins: dict[str, Any] | None) -> dict[str, Any]:
-    """``sparkfleet_models | sparkfleet_pinned_models(sparkfleet_model_revisions)``: the models with the
-    inventory's pins (make pin) over them."""
-    return _model_pins.apply_pins(models, pins)
-
-
 def sparkfleet_doctor(
     gpu: dict[str, Any],
     system: dict[str, Any],
@@ -153,14 +136,11 @@ class FilterModule:
             "sparkfleet_with_speculative_tokens": sparkfleet_with_speculative_tokens,
             "sparkfleet_profile_names": sparkfleet_profile_names,
             "sparkfleet_profile_errors": sparkfleet_profile_errors,
-            "sparkfleet_model_cache_entries": sparkfleet_model_cache_entries,
-            "sparkfleet_model_errors": sparkfleet_model_errors,
             "sparkfleet_vllm_argv": sparkfleet_vllm_argv,
             "sparkfleet_service_env": sparkfleet_service_env,
             "sparkfleet_systemd_args": sparkfleet_systemd_args,
             "sparkfleet_unit_state": sparkfleet_unit_state,
             "sparkfleet_last_error": sparkfleet_last_error,
-            "sparkfleet_pinned_models": sparkfleet_pinned_models,
             "sparkfleet_state": sparkfleet_state,
             "sparkfleet_probe_host": sparkfleet_probe_host,
             "sparkfleet_unit_name": sparkfleet_unit_name,
