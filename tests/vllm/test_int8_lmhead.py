@@ -297,11 +297,6 @@ def test_kernels_under_interpreter(scenario: dict[str, Any]) -> None:
     assert any(c["plain_argmax"] != c["reference_argmax"] for c in cases)
 
 
-def test_child_is_quick(scenario: dict[str, Any]) -> None:
-    """CPU time, not wall time: CI machines are shared, the budget is the work itself."""
-    assert scenario["child_cpu_seconds"] < 60
-
-
 # ---------------------------------------------------------------- child body
 
 
