@@ -19,7 +19,6 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -216,7 +215,6 @@ def scenario() -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="int8-lmhead-") as tmp:
         overlay = build_patched_overlay(Path(tmp))
         out_json = Path(tmp) / "scenario.json"
-        cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
         result = subprocess.run(
             [sys.executable, str(Path(__file__).resolve()), "--scenario", str(out_json)],
             env=_child_env(overlay),
@@ -228,10 +226,6 @@ def scenario() -> dict[str, Any]:
         if result.returncode != 0 or not out_json.exists():
             raise AssertionError(f"scenario child failed (rc={result.returncode}):\n{result.stderr[-4000:]}")
         data = json.loads(out_json.read_text())
-        cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-        data["child_cpu_seconds"] = (cpu_after.ru_utime - cpu_before.ru_utime) + (
-            cpu_after.ru_stime - cpu_before.ru_stime
-        )
         return data
 
 
