@@ -126,8 +126,8 @@ $(VLLM_VENV)/.stamp: $(WHEELHOUSE)/.stamp $(CPU_LOCK)
 vllm-venv: $(VLLM_VENV)/.stamp ## Create the vLLM CPU venv the tests import vLLM from
 
 .PHONY: models
-models: $(VLLM_VENV)/.stamp ## Build the sandbox's tiny test models (build/models)
-	$(VLLM_PY) tests/fixtures/tiny_models.py --out build/models
+models: $(VLLM_VENV)/.stamp ## Build the sandbox's tiny test models (build/models; kept in ~/.cache/sparkfleet for the next clone)
+	$(VLLM_PY) tests/fixtures/tiny_model_cache.py --out build/models
 
 .PHONY: setup
 setup: host-deps venv wheelhouse vllm-venv wheel models ## Everything the sandbox deploy and the tests need
@@ -261,8 +261,9 @@ test-sandbox: setup sandbox-up ## Integration tests against the sandbox fleet (r
 	@date +"==> %T test-sandbox"
 	$(VENV)/bin/pytest -q -rs --durations=15 -m "sandbox and not gpu" tests/sandbox tests/integration
 
-# lint, the unit tests and the sandbox's images (debootstrap: network and disk) run while the set-up
-# downloads and builds (two streams of one job each, about equally long: ~10 min each here). The vLLM
+# lint and the unit tests run while the set-up downloads and builds, the sandbox's images (debootstrap:
+# network and disk) last (two streams of one job each, about equally long; the tiny models come from
+# ~/.cache/sparkfleet when another clone on the machine built them). The vLLM
 # and sandbox tests then run alone: beside each other on two cores they took longer than one after
 # the other (the vLLM tests 16.7 min instead of ~6.5, the first deploy ~15.5 instead of ~7), and
 # their timing figures (TPOT agreement, health deadlines) need a machine nothing else is loading.
@@ -273,7 +274,7 @@ test: host-deps $(VENV)/.stamp ## Every test CI runs
 	@$(MAKE) --no-print-directory test-sandbox
 
 test-fast: $(VENV)/.stamp
-	@$(MAKE) --no-print-directory -j1 lint test-unit sandbox-images
+	@$(MAKE) --no-print-directory -j1 lint test-unit
 
 setup-all: $(VENV)/.stamp
-	@$(MAKE) --no-print-directory -j1 setup
+	@$(MAKE) --no-print-directory -j1 setup sandbox-images
