@@ -259,7 +259,12 @@ test-vllm: $(VLLM_VENV)/.stamp models wheel ## Tests on the real vLLM 0.23 code 
 .PHONY: test-sandbox
 test-sandbox: setup sandbox-up ## Integration tests against the sandbox fleet (real deploys)
 	@date +"==> %T test-sandbox"
-	$(VENV)/bin/pytest -q -rs --durations=15 -m "sandbox and not gpu" tests/sandbox tests/integration
+	$(VENV)/bin/pytest -q -rs --durations=15 -m "sandbox and not gpu and not heavy" tests/sandbox tests/integration
+
+.PHONY: test-heavy
+test-heavy: setup sandbox-up ## The sandbox tests make test leaves out (heavy: tune, bench role, prefix caching, reboot)
+	@date +"==> %T test-heavy"
+	$(VENV)/bin/pytest -q -rs --durations=15 -m "sandbox and heavy and not gpu" tests/integration
 
 # lint and the unit tests run while the set-up downloads and builds, the sandbox's images (debootstrap:
 # network and disk) last (two streams of one job each, about equally long; the tiny models come from

@@ -22,7 +22,9 @@ import pytest
 from tests.integration.conftest import ROOT, run_playbook
 
 # runs against the fleet after one real deploy (tests/integration/conftest.py: converged_fleet)
-pytestmark = [pytest.mark.sandbox, pytest.mark.usefixtures("converged_fleet")]
+# heavy: ~8 min on a 2-core CI machine (four methods beside a CPU hog); bench.yml itself runs in CI through
+# the keyed test (test_service_hardening) and ops bench through test_fleet_ops
+pytestmark = [pytest.mark.sandbox, pytest.mark.heavy, pytest.mark.usefixtures("converged_fleet")]
 
 METHODS = ["decode", "e2e", "serving", "prefix"]
 # The tiny models stop after a few tokens and have a 512-token context: generate past EOS, and leave out

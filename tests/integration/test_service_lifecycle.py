@@ -86,6 +86,7 @@ def test_kill_9_the_engine_core_and_systemd_restarts_it_to_health(converged_flee
     assert completes(sandbox_fleet, host) == text_before
 
 
+@pytest.mark.heavy  # a host's boot and a cold start beside two serving hosts: minutes on 2 cores
 def test_reboot_and_the_enabled_unit_serves_again(converged_fleet, sandbox_fleet) -> None:  # noqa: ANN001
     name = sandbox_fleet.names[1]
     host = fleet.host_from_name(name)

@@ -56,13 +56,10 @@ def test_switch_to_dense_and_back(converged_fleet, sandbox_fleet) -> None:
     env = sandbox_fleet.ssh(host, f"systemctl show -p Environment --value {DENSE}").stdout
     assert "VLLM_SPARKFLEET_INT8_LMHEAD=1" in env
     assert "health=ok" in to_dense.output
-    # converged on dense: the operator's `make switch` again changes nothing, `make drift` sees nothing
+    # converged on dense: the operator's `make switch` again changes nothing (make drift: test_service_faults)
     again = run_make("switch", "PROFILE=dense", f"LIMIT={host}")
     assert again.returncode == 0, again.output[-4000:]
     assert again.changed() == {host: 0}
-    drift = run_make("drift", "PROFILE=dense", f"LIMIT={host}")
-    assert drift.returncode == 0, drift.output[-4000:]
-    assert any(line.split()[:3] == [host, "in", "sync"] for line in drift.output.splitlines()), drift.output[-3000:]
 
     back = run_playbook("playbooks/switch.yml", "--limit", host, "-e", "sparkfleet_profile=dflash")
     assert back.returncode == 0, back.output[-4000:]
@@ -156,6 +153,7 @@ def bench_prefix(inventory: str, host: str, tmp_path: Path) -> dict:
     return json.loads(new.read_text())
 
 
+@pytest.mark.heavy  # a re-deploy with prefix caching, two benchmark runs and a restore: ~5 min on 2 cores
 def test_prefix_caching_on_and_off_answer_alike(converged_fleet, sandbox_fleet, inventory_with_host_vars, tmp_path):  # noqa: ANN001
     """Issue 14: the dflash profile serves with prefix caching on. The multi-turn agent benchmark on a host,
     then on the same host redeployed with it off: with it on, warm turns take their prefix from the cache;

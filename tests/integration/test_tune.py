@@ -21,7 +21,8 @@ import yaml
 
 from tests.integration.conftest import ROOT, run_make, run_playbook
 
-pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+# heavy: ~9 min on a 2-core CI machine (two values served and benchmarked, a Ctrl-C, a full re-deploy)
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
 DFLASH = "sparkfleet-vllm-dflash.service"
 
