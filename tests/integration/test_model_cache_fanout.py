@@ -171,6 +171,7 @@ def partial_size(fleet, host: str, directory: str, name: str) -> int:  # noqa: A
     return max((int(line.split()[0]) for line in out.splitlines() if line.strip()), default=0)
 
 
+@pytest.mark.heavy  # a cut transfer and its resume across the fleet: ~3 min on 2 cores
 def test_a_cut_copy_resumes_without_sending_finished_files(fleet, hub: HubDouble, tmp_path_factory) -> None:  # noqa: ANN001
     tmp = tmp_path_factory.mktemp("fanout-cut")
     files = repo_files()
