@@ -36,8 +36,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
-from sparkfleet.checkpoint import INDEX_NAME, MANIFEST_NAME, inspect_checkpoint  # noqa: E402
-from sparkfleet.safetensors_stream import ShardEntry, write_shard  # noqa: E402
+from sparkfleet.build.checkpoint import INDEX_NAME, MANIFEST_NAME, inspect_checkpoint  # noqa: E402
+from sparkfleet.build.safetensors_stream import ShardEntry, write_shard  # noqa: E402
 
 HIDDEN = 3072
 EXPERTS = 256
@@ -176,7 +176,7 @@ def run_build(args: list[str]) -> dict[str, Any]:
 def torch_import_rss() -> dict[str, Any]:
     """What importing torch alone costs in time and RSS (it dominates the builds that use it)."""
     code = (
-        "import time; t = time.monotonic(); import torch; from sparkfleet.checkpoint import peak_rss_mib; "
+        "import time; t = time.monotonic(); import torch; from sparkfleet.build.checkpoint import peak_rss_mib; "
         "print(time.monotonic() - t, peak_rss_mib())"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)

@@ -1,4 +1,4 @@
-"""Ansible filters over sparkfleet's serving profiles (pure; the logic is sparkfleet.profiles)."""
+"""Ansible filters over sparkfleet's serving profiles (pure; the logic is sparkfleet.serving.profiles)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ from typing import Any
 from ansible.errors import AnsibleFilterError
 
 # sparkfleet is installed in the controller venv (make venv), where ansible-playbook runs
-from sparkfleet import doctor as _doctor
-from sparkfleet import profiles as _profiles
-from sparkfleet import serving_state as _serving_state
-from sparkfleet import unit_state as _unit_state
+from sparkfleet.fleet import doctor as _doctor
+from sparkfleet.serving import profiles as _profiles
+from sparkfleet.serving import serving_state as _serving_state
+from sparkfleet.serving import unit_state as _unit_state
 
 
 def sparkfleet_with_speculative_tokens(resolved: dict[str, Any], n: int) -> dict[str, Any]:
     """``profile | sparkfleet_with_speculative_tokens(n)``: the resolved profile drafting n tokens, its
-    health gate's acceptance length scaled to n (sparkfleet.profiles.with_speculative_tokens)."""
+    health gate's acceptance length scaled to n (sparkfleet.serving.profiles.with_speculative_tokens)."""
     try:
         return _profiles.with_speculative_tokens(resolved, int(n))
     except _profiles.ProfileError as exc:
@@ -42,7 +42,7 @@ def sparkfleet_vllm_argv(
     port: int,
 ) -> list[str]:
     """``profile | sparkfleet_vllm_argv(venv, model_path, drafter_path, served_name, host, port)``: the
-    `vllm serve` command line of the unit (sparkfleet.profiles.vllm_argv)."""
+    `vllm serve` command line of the unit (sparkfleet.serving.profiles.vllm_argv)."""
     return _profiles.vllm_argv(
         resolved,
         venv=venv,
@@ -68,7 +68,7 @@ def sparkfleet_systemd_args(argv: list[str]) -> str:
 
 def sparkfleet_unit_state(show: str, unit: str, journal: list[str] | None = None) -> dict[str, Any]:
     """``show_stdout | sparkfleet_unit_state(unit, journal_lines)``: {running, word, text} of a unit from
-    ``systemctl show`` output and its journal lines (sparkfleet.unit_state)."""
+    ``systemctl show`` output and its journal lines (sparkfleet.serving.unit_state)."""
     state = _unit_state.describe(unit, _unit_state.parse_show(show), journal or [])
     return {"unit": state.unit, "running": state.running, "word": state.word, "text": state.text}
 
@@ -81,7 +81,7 @@ def sparkfleet_last_error(journal: list[str]) -> str:
 def sparkfleet_state(slurped: dict[str, Any], where: str) -> dict[str, Any]:
     """``slurp_result | sparkfleet_state(inventory_hostname)``: the host's state.json, checked against its
     schema, with ``probe`` (host, port, url) and ``revisions`` (model, drafter); {} when there is none
-    (sparkfleet.serving_state)."""
+    (sparkfleet.serving.serving_state)."""
     try:
         return _serving_state.from_slurp(slurped, where)
     except _serving_state.StateError as exc:

@@ -1,4 +1,4 @@
-"""Lookup ``sparkfleet_plan``: what this host serves, computed once (sparkfleet.serving_plan.build).
+"""Lookup ``sparkfleet_plan``: what this host serves, computed once (sparkfleet.serving.serving_plan.build).
 
 The deploy, switch, rolling and tune plays call it first (playbooks/tasks/resolve-profile.yml) and keep
 the result as the host fact ``sparkfleet_plan``; every later step reads its parts.
@@ -12,14 +12,14 @@ from ansible.errors import AnsibleLookupError
 from ansible.plugins.lookup import LookupBase
 
 # sparkfleet is installed in the controller venv (make venv), where ansible-playbook runs
-from sparkfleet import profiles, serving_plan
+from sparkfleet.serving import profiles, serving_plan
 
 DOCUMENTATION = r"""
 name: sparkfleet_plan
 short_description: The serving plan of one host (profile, unit, models, wheel, venv)
 description:
   - Resolves the profile named by the term with the host's inventory layers and returns the plan
-    sparkfleet.serving_plan.build describes (its module docstring lists the keys).
+    sparkfleet.serving.serving_plan.build describes (its module docstring lists the keys).
   - An unknown profile, a bad layer or a missing setting fails with one line naming it.
 options:
   _terms:

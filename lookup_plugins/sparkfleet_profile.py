@@ -1,8 +1,8 @@
 """Lookup ``sparkfleet_profile``: a serving profile resolved with this host's inventory layers.
 
 The one way plays resolve a profile (deploy, switch, rolling, tune, bench, doctor and the profile check):
-sparkfleet.profiles.resolve_from reads the profiles and every layer (sparkfleet.profiles.LAYER_VARIABLES)
-from the task's variables, so no play lists them.
+sparkfleet.serving.profiles.resolve_from reads the profiles and every layer
+(sparkfleet.serving.profiles.LAYER_VARIABLES) from the task's variables, so no play lists them.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from ansible.errors import AnsibleLookupError
 from ansible.plugins.lookup import LookupBase
 
 # sparkfleet is installed in the controller venv (make venv), where ansible-playbook runs
-from sparkfleet import profiles
+from sparkfleet.serving import profiles
 
 DOCUMENTATION = r"""
 name: sparkfleet_profile
@@ -22,7 +22,7 @@ description:
   - Returns the profile named by the term with C(serve_args) and C(env) layered from the inventory
     (sparkfleet_serve_args_common, sparkfleet_env_common, sparkfleet_serve_args_platform,
     sparkfleet_env_platform, sparkfleet_serve_args_host) and C(sparkfleet_tuned) applied.
-  - An unknown profile or a bad layer fails with one line naming it (sparkfleet.profiles.ProfileError).
+  - An unknown profile or a bad layer fails with one line naming it (sparkfleet.serving.profiles.ProfileError).
 options:
   _terms:
     description: The profile's name.

@@ -21,16 +21,16 @@ from sparkfleet import __version__
 
 # subcommand -> module. Order is the order `sparkfleet --help` lists them.
 COMMANDS: dict[str, str] = {
-    "wheel": "sparkfleet.wheel_build",
-    "wheelhouse": "sparkfleet.wheelhouse",
-    "kv-plan": "sparkfleet.kv_page_plan",
-    "checkpoint": "sparkfleet.checkpoint",
-    "bench": "sparkfleet.bench",
-    "report": "sparkfleet.report",
-    "ops": "sparkfleet.fleet_ops",
-    "profile": "sparkfleet.profiles",
-    "weights": "sparkfleet.hub_cache",
-    "tune": "sparkfleet.tune",
+    "wheel": "sparkfleet.build.wheel_build",
+    "wheelhouse": "sparkfleet.build.wheelhouse",
+    "kv-plan": "sparkfleet.serving.kv_page_plan",
+    "checkpoint": "sparkfleet.build.checkpoint",
+    "bench": "sparkfleet.hostlib.bench",
+    "report": "sparkfleet.fleet.report",
+    "ops": "sparkfleet.fleet.fleet_ops",
+    "profile": "sparkfleet.serving.profiles",
+    "weights": "sparkfleet.build.hub_cache",
+    "tune": "sparkfleet.fleet.tune",
 }
 
 

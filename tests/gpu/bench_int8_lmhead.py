@@ -1,4 +1,4 @@
-"""Benchmark of the int8 lm head (sparkfleet/int8_lmhead.py) against the bf16 GEMM and a copy.
+"""Benchmark of the int8 lm head (sparkfleet/kernels/int8_lmhead.py) against the bf16 GEMM and a copy.
 
 Shape: the Qwen3.5-122B-A10B lm head, 248,320 x 3,072, at batch 1, 2, 4, 8, 13, 16 and 32, all in one
 run on one GPU. For each batch it times:
@@ -31,13 +31,13 @@ Bandwidth definitions (bytes / time, GB = 1e9 bytes):
 
 ``--sweep`` first tunes the kernel (block sizes, warps, pipeline stages, conversion method, operand
 order) inside the same run and benchmarks with the best configs it found; without it the configs in
-``sparkfleet.int8_lmhead.KERNEL_CONFIGS`` are used. ``--json`` writes everything measured;
+``sparkfleet.kernels.int8_lmhead.KERNEL_CONFIGS`` are used. ``--json`` writes everything measured;
 ``--render JSON`` turns such a file into docs/int8-lmhead.md (no figure is typed by hand).
 
 Run on a CUDA machine from the repo root::
 
-    python tests/gpu/bench_int8_lmhead.py --json tests/gpu/results/int8_lmhead_h200.json
-    python tests/gpu/bench_int8_lmhead.py --render tests/gpu/results/int8_lmhead_h200.json \\
+    python tests/gpu/bench_int8_lmhead.py --json benchmarks/results/gpu/int8_lmhead_h200.json
+    python tests/gpu/bench_int8_lmhead.py --render benchmarks/results/gpu/int8_lmhead_h200.json \\
         --doc docs/int8-lmhead.md
 """
 
@@ -54,6 +54,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+# the runs the docs cite (the benchmark writes its JSON elsewhere: --json)
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu"
 
 VOCAB_ROWS = 248_320
 HIDDEN = 3_072
@@ -96,10 +98,10 @@ def make_problem(rows: int, hidden: int, max_batch: int, seed: int):
 
 def sweep_configs() -> list:
     """The tuning space, most promising first (the sweep may stop at its time budget)."""
-    from sparkfleet.int8_lmhead import KernelConfig
+    from sparkfleet.kernels.int8_lmhead import KernelConfig
 
     space = []
-    # The two earlier sweeps on the H200 (tests/gpu/results/int8_lmhead_h200_sweep*.json) settled
+    # The two earlier sweeps on the H200 (benchmarks/results/gpu/int8_lmhead_h200_sweep*.json) settled
     # x as the dot's A operand, no persistent grid, 4 warps, block_v 128; this one compares the weight
     # layout (row-major / tiled) and evict-first loads around that (plain int8 -> bf16 cast).
     for tiled, block_k, stages, evict in itertools.product((1, 0), (256, 128), (3, 4), (1, 0)):
@@ -175,7 +177,7 @@ def read_only_stream_GBps(src, log) -> dict:
 
 def packed_for(weight, cfg, cache: dict):
     """The int8 weight in the layout ``cfg`` wants (quantized once per layout)."""
-    from sparkfleet.int8_lmhead import quantize_lm_head_weight
+    from sparkfleet.kernels.int8_lmhead import quantize_lm_head_weight
 
     key = (cfg.block_v, cfg.block_k) if cfg.tiled else None
     if key not in cache:
@@ -186,7 +188,7 @@ def packed_for(weight, cfg, cache: dict):
 
 def run_sweep(weight, x, budget_s: float, log) -> dict:
     """Time every config at batch 1 and 16 (block_b 16) and 32 (block_b 32); keep the best per bucket."""
-    from sparkfleet.int8_lmhead import int8_lm_head_logits
+    from sparkfleet.kernels.int8_lmhead import int8_lm_head_logits
 
     cache: dict = {}
 
@@ -225,7 +227,7 @@ def candidate_counts(xb, packed, approx, ref64) -> dict:
     logit (this design), a window of about one bound. Per token, so the spread between tokens shows.
     (The kernels' fp32 slack factors are left out: counts are approximate.)
     """
-    from sparkfleet.int8_lmhead import int8_logit_error_bound
+    from sparkfleet.kernels.int8_lmhead import int8_logit_error_bound
 
     delta = int8_logit_error_bound(xb, packed)
     zq = approx.double()
@@ -253,7 +255,7 @@ def check_exactness(weight, x, packed, configs, log) -> dict:
     """Argmax of the exact path vs the bf16 GEMM and vs float64 logits rounded to bf16, per batch."""
     import torch
 
-    from sparkfleet.int8_lmhead import int8_lm_head_logits, int8_logit_error_bound
+    from sparkfleet.kernels.int8_lmhead import int8_lm_head_logits, int8_logit_error_bound
 
     out = {}
     for batch in BATCHES:
@@ -288,8 +290,8 @@ def check_exactness(weight, x, packed, configs, log) -> dict:
 def run_bench(weight, x, packed, configs, log) -> dict:
     import torch
 
-    from sparkfleet import int8_lmhead as lmhead
-    from sparkfleet.int8_lmhead import int8_lm_head_logits
+    from sparkfleet.kernels import int8_lmhead as lmhead
+    from sparkfleet.kernels.int8_lmhead import int8_lm_head_logits
 
     rows, hidden = weight.shape
     copy_src = torch.randint(-127, 127, (rows * hidden,), dtype=torch.int8, device="cuda")
@@ -402,7 +404,7 @@ def worst_cases(weight, x, log) -> dict:
     with the probe's verdict, the spilled blocks and the argmax checks; then the cost across tie sizes."""
     import torch
 
-    from sparkfleet.int8_lmhead import int8_lm_head_logits, quantize_lm_head_weight, weight_tile
+    from sparkfleet.kernels.int8_lmhead import int8_lm_head_logits, quantize_lm_head_weight, weight_tile
     from tests.gpu.near_ties import bf16_reference_argmax
 
     rows, hidden = weight.shape
@@ -477,7 +479,7 @@ def time_model(weight, x, log) -> dict:
     (graph timing), and what it gives for the full head at the GB10's 273 GB/s."""
     import torch
 
-    from sparkfleet.int8_lmhead import (
+    from sparkfleet.kernels.int8_lmhead import (
         KERNEL_CONFIGS,
         PROBE_STRIDE,
         int8_lm_head_logits,
@@ -554,7 +556,7 @@ def main_bench(args) -> int:
     import torch
     import triton
 
-    from sparkfleet.int8_lmhead import KERNEL_CONFIGS, KernelConfig, quantize_lm_head_weight
+    from sparkfleet.kernels.int8_lmhead import KERNEL_CONFIGS, KernelConfig, quantize_lm_head_weight
 
     if not torch.cuda.is_available():
         print("bench_int8_lmhead: no CUDA device: run it on a GPU machine", file=sys.stderr)
@@ -625,7 +627,7 @@ def render_markdown(result: dict, json_path: str) -> str:
         "`VLLM_SPARKFLEET_INT8_LMHEAD=1` (the `dense` profile) makes the patched vLLM (patch 0003) compute the",
         "lm head's logits from a per-row int8 copy of its weight (w8a16: int8 weight, bf16 activations,",
         "fp32 accumulation), keeping the bf16 weight for the drafter's shared lm head and the embedding.",
-        "Code: `sparkfleet/int8_lmhead.py`, shipped byte-identical as",
+        "Code: `sparkfleet/kernels/int8_lmhead.py`, shipped byte-identical as",
         "`vllm/model_executor/layers/quantization/utils/int8_lmhead.py`; the hook is `Int8LMHeadMethod` in",
         "`vocab_parallel_embedding.py`, chosen by `ParallelLMHead` when the switch is on and its method is",
         "the unquantized one. Both `LogitsProcessor` paths (logits and `get_top_tokens`) go through it.",
@@ -653,7 +655,7 @@ def render_markdown(result: dict, json_path: str) -> str:
         "- **Tests.** CPU (CI): `build/venv-vllm/bin/python -m pytest tests/vllm/test_int8_lmhead.py` runs",
         "  the real `ParallelLMHead`/`LogitsProcessor` of the patched tree with the kernels in the Triton",
         "  interpreter, near-tie problems included. GPU: `python -m pytest -m gpu tests/gpu`.",
-        "- **Patch upkeep.** After editing `sparkfleet/int8_lmhead.py`, rewrite the patch's copy with",
+        "- **Patch upkeep.** After editing `sparkfleet/kernels/int8_lmhead.py`, rewrite the patch's copy with",
         "  `build/venv-vllm/bin/python tests/vllm/test_int8_lmhead.py --write-patch` (a test fails otherwise).",
         "",
         "## Measurements",
@@ -662,7 +664,7 @@ def render_markdown(result: dict, json_path: str) -> str:
         "from the benchmark's JSON: no figure in its tables is typed by hand (the design notes quote the",
         "exploration logs they name). On the device the run was",
         "`tests/gpu/run_on_device.sh $OUT " + " ".join(result["command"].split()[2:]) + "` (GPU tests,",
-        "then the benchmark); its JSON, logs and the GPU test log are under tests/gpu/results/. The",
+        "then the benchmark); its JSON, logs and the GPU test log are under benchmarks/results/gpu/. The",
         "exploration runs that chose the design (`tests/gpu/explore_int8_lmhead.py`; logs",
         "`int8_lmhead_h200_explore*.log`), the run before this kernel (`int8_lmhead_h200_before.*`) and the",
         "run of the previous exact path (`int8_lmhead_h200_oldlb.*`) and the run of the exact path before",
@@ -926,7 +928,7 @@ def _profile_records(path: Path) -> dict:
 
 def render_profile_log(name: str) -> list[str]:
     """Where the exact path's time goes, from the explore13 log (figures read from the log, not typed)."""
-    path = Path(__file__).resolve().parent / "results" / name
+    path = RESULTS_DIR / name
     if not path.exists():
         return []
     rec = _profile_records(path)
@@ -988,7 +990,7 @@ def render_worst(result: dict) -> list[str]:
     if not worst or not model:
         return []
     verdict = "holds" if worst["worst_over_bf16"] <= worst["target_over_bf16"] else "DOES NOT hold"
-    before_file = Path(__file__).resolve().parent / "results" / "int8_lmhead_h200_noprobe.json"
+    before_file = RESULTS_DIR / "int8_lmhead_h200_noprobe.json"
     before = json.loads(before_file.read_text())["bench"]["batches"]["1"]
     lines = [
         "",

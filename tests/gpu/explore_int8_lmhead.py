@@ -11,7 +11,7 @@ every call, and CUDA events around the call) and ``graph`` (a CUDA graph of ``GR
 calls, replayed; median per call over the replays; no flush: every operand but x is far larger than
 the L2). Results go to ``--json``; a short table is printed last.
 
-The logs in tests/gpu/results/int8_lmhead_h200_explore*.log come from earlier versions of this script
+The logs in benchmarks/results/gpu/int8_lmhead_h200_explore*.log come from earlier versions of this script
 and of the kernels, which also timed designs no longer in the tree (a CUDA-core GEMV path; re-scoring
 from per-block maxima with per-token candidate lists; one re-scoring program per vocab block; the
 exact path stage by stage). Run: ``python3 tests/gpu/explore_int8_lmhead.py --json OUT.json``;
@@ -84,7 +84,7 @@ def t_graph(fn, calls: int = GRAPH_CALLS, replays: int = GRAPH_REPLAYS) -> float
 
 
 VARIANT_BATCHES = (1, 4, 16, 32)
-# Re-scoring variants of the exact path: module constants of sparkfleet.int8_lmhead set for the run.
+# Re-scoring variants of the exact path: module constants of sparkfleet.kernels.int8_lmhead set for the run.
 EXACT_VARIANTS = {
     "default": {},
     "programs_x2": {"RESCORE_PROGRAMS": 1024, "RESCORE_MIN_PROGRAMS_PER_ROW": 32, "RESCORE_MAX_PROGRAMS_PER_ROW": 128},
@@ -102,7 +102,7 @@ EXACT_VARIANTS = {
 
 @contextlib.contextmanager
 def module_constants(L, consts: dict):
-    """Set module constants of sparkfleet.int8_lmhead for a block, then put the old values back."""
+    """Set module constants of sparkfleet.kernels.int8_lmhead for a block, then put the old values back."""
     saved = {k: getattr(L, k) for k in consts}
     try:
         for k, v in consts.items():
@@ -482,7 +482,7 @@ def main() -> int:
     import torch
     import triton
 
-    from sparkfleet import int8_lmhead as L
+    from sparkfleet.kernels import int8_lmhead as L
 
     t_start = time.monotonic()
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}

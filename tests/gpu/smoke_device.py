@@ -9,7 +9,7 @@ the next call's). ``install`` refuses to go on unless every piece and every file
 of the manifest that build/gpu-smoke/carry/manifest.json carries, then:
 
 - builds the patched wheel from the carried stock source with this repository's own builder and
-  series (``python -m sparkfleet.wheel_build build``), and records whether its sha256 equals the
+  series (``python -m sparkfleet.build.wheel_build build``), and records whether its sha256 equals the
   controller's build;
 - installs it and the carried dependency wheels with ``pip install --no-index --no-deps --target``;
 - makes the ``stock`` tree: the installed vllm package linked file by file, with the file patch
@@ -120,7 +120,7 @@ def _assemble(info: dict) -> Path:
 def _build_patched(info: dict, files: Path) -> tuple[Path, str]:
     out = WORK / "wheel"
     command = [
-        sys.executable, "-m", "sparkfleet.wheel_build", "build",
+        sys.executable, "-m", "sparkfleet.build.wheel_build", "build",
         "--source", str(files / info["source"]), "--sha256", info["source_sha256"],
         "--out", str(out), "--cache", str(WORK / "wheel-cache"),
     ]  # fmt: skip

@@ -5,13 +5,13 @@
 
 ``prepare`` (idempotent; each step reuses what is already there and checks it):
 
-1. the pinned x86_64 GPU source wheel (``gpu-x86_64`` in sparkfleet/wheel_sources.yml), checked by
+1. the pinned x86_64 GPU source wheel (``gpu-x86_64`` in sparkfleet/build/wheel_sources.yml), checked by
    sha256, and the patched wheel built from it here (the GPU machine builds it again from the same
    source and series: both sha256s go into the results, so the build is shown reproducible there);
 2. the dependency closure of that wheel for the GPU machine, by pip's resolver run with the machine's
    Python (markers) against a stand-in environment holding every package the machine reported
-   (tests/gpu/results/h200-machine.json, its ``pip list``): pip keeps each installed version that
-   satisfies and lists what it would add or replace, as it would there (sparkfleet/wheel_closure.py);
+   (benchmarks/results/gpu/h200-machine.json, its ``pip list``): pip keeps each installed version that
+   satisfies and lists what it would add or replace, as it would there (sparkfleet/build/wheel_closure.py);
    the requirements of backends the cases do not use are left out (``NOT_CARRIED``, with reasons);
 3. exactly the wheels the machine lacks (missing, or installed at a version the closure refuses),
    downloaded with ``pip download --no-deps`` and checked against the resolver's sha256;
@@ -44,10 +44,10 @@ sys.path.insert(0, str(REPO / "tests" / "gpu"))
 
 import smoke_cases  # noqa: E402
 
-from sparkfleet import wheel_build, wheel_closure  # noqa: E402
+from sparkfleet.build import wheel_build, wheel_closure  # noqa: E402
 
 WORK = REPO / "build" / "gpu-smoke"
-MACHINE_FILE = REPO / "tests" / "gpu" / "results" / "h200-machine.json"
+MACHINE_FILE = REPO / "benchmarks" / "results" / "gpu" / "h200-machine.json"
 SOURCE = "gpu-x86_64"
 PIECE_BYTES = 56 << 20  # under the device tool's 64 MiB a call, with room for the working tree
 # manylinux glibc levels the resolver may pick for the GPU machine (glibc 2.39): pip matches each

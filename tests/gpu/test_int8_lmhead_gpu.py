@@ -1,4 +1,4 @@
-"""GPU checks of the int8 lm head (sparkfleet/int8_lmhead.py): exact greedy argmax, bound, configs.
+"""GPU checks of the int8 lm head (sparkfleet/kernels/int8_lmhead.py): exact greedy argmax, bound, configs.
 
 Run on a CUDA machine: ``python -m pytest tests/gpu -m gpu``.
 """
@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from sparkfleet import int8_lmhead as lmhead  # noqa: E402
+from sparkfleet.kernels import int8_lmhead as lmhead  # noqa: E402
 from tests.gpu.near_ties import bf16_reference_argmax, near_tie_problem  # noqa: E402
 
 pytestmark = [

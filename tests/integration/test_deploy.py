@@ -57,7 +57,7 @@ def test_hosts_install_exactly_the_hash_pinned_lock_and_refuse_a_file_it_does_no
     """The sandbox's CPU stack goes through the same hash-checked install as a Spark's GPU stack
     (vllm_wheel_lock): the venv holds the lock's distributions at its versions and the patched vLLM,
     and the host's pip refuses a wheel whose bytes are not the ones the lock pins."""
-    from sparkfleet import wheelhouse
+    from sparkfleet.build import wheelhouse
 
     lock = wheelhouse.load_lock(wheelhouse.FLAVORS["cpu"].lock)
     host = sandbox_hosts[0]

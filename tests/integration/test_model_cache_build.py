@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet.checkpoint import INDEX_NAME
-from sparkfleet.safetensors_stream import ShardEntry, write_shard
+from sparkfleet.build.checkpoint import INDEX_NAME
+from sparkfleet.build.safetensors_stream import ShardEntry, write_shard
 from tests.fixtures.hybrid_fp8_checkpoint import write_hybrid_fp8_checkpoint
 from tests.hub.server import HubDouble
 from tests.integration.conftest import ROOT, run_playbook

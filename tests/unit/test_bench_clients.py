@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet.bench import main as bench_main
-from sparkfleet.bench import results as res
-from sparkfleet.bench.decode import run_decode_bench, summarize_request_agreement, tpot_agreement
-from sparkfleet.bench.e2e import run_e2e_bench
-from sparkfleet.bench.http_client import (
+from sparkfleet.hostlib.bench import main as bench_main
+from sparkfleet.hostlib.bench import results as res
+from sparkfleet.hostlib.bench.decode import run_decode_bench, summarize_request_agreement, tpot_agreement
+from sparkfleet.hostlib.bench.e2e import run_e2e_bench
+from sparkfleet.hostlib.bench.http_client import (
     BenchHTTPError,
     OpenAIServer,
     StreamedCompletion,
@@ -19,8 +19,8 @@ from sparkfleet.bench.http_client import (
     _read_event_stream,
     read_api_key,
 )
-from sparkfleet.bench.metrics import ServerTpotWindow
-from sparkfleet.bench.workloads import BenchRequest, Workload, load_workload
+from sparkfleet.hostlib.bench.metrics import ServerTpotWindow
+from sparkfleet.hostlib.bench.workloads import BenchRequest, Workload, load_workload
 from tests.unit.bench_stub import StubServer
 
 GAP_S = 0.004

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet import bench
+from sparkfleet.hostlib import bench
 
 
 def test_patch_set_read_from_local_vllm_without_importing_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

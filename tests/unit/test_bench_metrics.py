@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet.bench import metrics as prom
+from sparkfleet.hostlib.bench import metrics as prom
 
 DATA = Path(__file__).parent / "bench_data"
 BEFORE = prom.MetricsSnapshot.from_text((DATA / "vllm-0.23.0-cpu-ngram-metrics-before.txt").read_text())

@@ -1,4 +1,4 @@
-"""sparkfleet.bench runs on a serving host from a copied directory, under the service venv's Python.
+"""sparkfleet.hostlib.bench runs on a serving host from a copied directory, under the service venv's Python.
 
 It imports the standard library, itself and the packages vLLM 0.23 brings into the service venv:
 an explicit list, each pinned in the wheelhouse locks (the closure of vLLM 0.23 that hosts install),
@@ -20,12 +20,13 @@ import pytest
 from packaging.utils import canonicalize_name
 
 import sparkfleet
-from sparkfleet import wheelhouse
+from sparkfleet.build import wheelhouse
 
 PACKAGE = Path(sparkfleet.__file__).parent
-BENCH = PACKAGE / "bench"
+HOSTLIB = PACKAGE / "hostlib"
+BENCH = HOSTLIB / "bench"
 
-# import name -> distribution: the third-party packages sparkfleet.bench may import. Each is in vLLM
+# import name -> distribution: the third-party packages sparkfleet.hostlib.bench may import. Each is in vLLM
 # 0.23's closure (prometheus_client a requirement of vLLM's own; httpx through fastapi[standard]).
 ALLOWED_THIRD_PARTY = {"prometheus_client": "prometheus-client", "httpx": "httpx"}
 
@@ -48,7 +49,7 @@ def test_bench_imports_only_stdlib_itself_and_the_allowed_packages() -> None:
                 if (
                     top not in sys.stdlib_module_names
                     and top not in ALLOWED_THIRD_PARTY
-                    and not name.startswith("sparkfleet.bench")
+                    and not name.startswith("sparkfleet.hostlib.bench")
                     and name != "sparkfleet"
                 ):
                     foreign.append(f"{path.name}: {name}")
@@ -67,7 +68,7 @@ RUN_AND_LIST = """
 import importlib.metadata, json, runpy, sys
 before, code = set(sys.modules), 0
 try:
-    runpy.run_module("sparkfleet.bench", run_name="__main__", alter_sys=True)
+    runpy.run_module("sparkfleet.hostlib.bench", run_name="__main__", alter_sys=True)
 except SystemExit as exc:
     code = exc.code
 finally:
@@ -78,7 +79,7 @@ finally:
         for top in sorted(tops)
         if top not in sys.stdlib_module_names and top != "sparkfleet"
     }
-    bench = sys.modules["sparkfleet.bench"].__file__
+    bench = sys.modules["sparkfleet.hostlib.bench"].__file__
     print(json.dumps({"loaded": loaded, "bench": bench}), file=sys.stdout)
 sys.exit(code)
 """
@@ -88,8 +89,10 @@ def test_runs_from_a_copied_directory(tmp_path: Path) -> None:
     copy = tmp_path / "sparkfleet"
     copy.mkdir()
     shutil.copy(PACKAGE / "__init__.py", copy / "__init__.py")
-    shutil.copytree(BENCH, copy / "bench", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(PACKAGE / "data" / "workloads", copy / "data" / "workloads")
+    (copy / "hostlib").mkdir()
+    shutil.copy(HOSTLIB / "__init__.py", copy / "hostlib" / "__init__.py")
+    shutil.copytree(BENCH, copy / "hostlib" / "bench", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(HOSTLIB / "data" / "workloads", copy / "hostlib" / "data" / "workloads")
     # this interpreter's own site-packages (the controller venv has prometheus_client and httpx, as a
     # host's service venv has), no user site, and of this checkout only the copy
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(tmp_path), "PYTHONNOUSERSITE": "1"}

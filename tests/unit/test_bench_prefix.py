@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet.bench import main as bench_main
-from sparkfleet.bench.e2e import run_e2e_bench
-from sparkfleet.bench.http_client import OpenAIServer
-from sparkfleet.bench.prefix import Conversation, load_conversations, run_prefix_bench
-from sparkfleet.bench.workloads import WorkloadError, available_workloads, load_workload
+from sparkfleet.hostlib.bench import main as bench_main
+from sparkfleet.hostlib.bench.e2e import run_e2e_bench
+from sparkfleet.hostlib.bench.http_client import OpenAIServer
+from sparkfleet.hostlib.bench.prefix import Conversation, load_conversations, run_prefix_bench
+from sparkfleet.hostlib.bench.workloads import WorkloadError, available_workloads, load_workload
 from tests.unit.bench_stub import StubServer
 
 SYSTEM = "You are an agent. " * 40  # 180 stub tokens: eleven whole cache blocks

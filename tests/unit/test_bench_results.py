@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet.bench import main as bench_main
-from sparkfleet.bench import results as res
+from sparkfleet.hostlib.bench import main as bench_main
+from sparkfleet.hostlib.bench import results as res
 
 
 def decode_result(**figures: float | None) -> dict:

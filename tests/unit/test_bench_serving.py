@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from sparkfleet.bench import serving
-from sparkfleet.bench.http_client import OpenAIServer
+from sparkfleet.hostlib.bench import serving
+from sparkfleet.hostlib.bench.http_client import OpenAIServer
 from tests.unit.bench_stub import StubServer
 
 RECORDED = json.loads((Path(__file__).parent / "bench_data" / "vllm-bench-serve-0.23.0-result.json").read_text())
@@ -184,7 +184,7 @@ def test_a_sweep_is_parsed_or_refused_by_name() -> None:
 def test_the_serving_command_sweeps_what_it_is_told(
     flags: list[str], expected: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sparkfleet.bench import main as bench_main
+    from sparkfleet.hostlib.bench import main as bench_main
 
     seen: list[list[int]] = []
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet.bench import workloads as wl
+from sparkfleet.hostlib.bench import workloads as wl
 
 GENERATOR = wl.WORKLOAD_DIR / "make_workloads.py"
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from sparkfleet import checkpoint
-from sparkfleet.checkpoint import (
+from sparkfleet.build import checkpoint
+from sparkfleet.build.checkpoint import (
     INDEX_NAME,
     MANIFEST_NAME,
     BuildOptions,
@@ -27,8 +27,7 @@ from sparkfleet.checkpoint import (
     inspect_checkpoint,
     read_layout,
 )
-from sparkfleet.cli import main as cli_main
-from sparkfleet.safetensors_stream import (
+from sparkfleet.build.safetensors_stream import (
     ByteRange,
     SafetensorsError,
     ShardEntry,
@@ -36,6 +35,7 @@ from sparkfleet.safetensors_stream import (
     read_tensor_bytes,
     write_shard,
 )
+from sparkfleet.cli import main as cli_main
 from tests.fixtures.hybrid_fp8_checkpoint import write_hybrid_fp8_checkpoint
 
 SHARED = "model.language_model.layers.{layer}.mlp.shared_expert.{proj}"

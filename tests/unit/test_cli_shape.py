@@ -117,7 +117,7 @@ def test_a_command_whose_dependency_is_missing_fails_in_one_line_naming_it() -> 
         assert len(lines) == 1, f"not one line: {done.stderr!r}"
         (line,) = lines
         assert line.startswith("sparkfleet report: "), line
-        assert "sparkfleet.report" in line, "the error names the module"
+        assert "sparkfleet.fleet.report" in line, "the error names the module"
         assert "matplotlib" in line, "the error names the missing dependency"
         assert "make venv" in line, "the error says how to fix it"
 

@@ -1,4 +1,4 @@
-"""sparkfleet.cluster_link: the two-Spark link preflight (issue 17 point 2).
+"""sparkfleet.fleet.cluster_link: the two-Spark link preflight (issue 17 point 2).
 
 The command outputs under tests/fixtures/cluster/ are written to the documented formats of
 ibdev2netdev and iproute2 (see the README there); each fault scenario holds only what differs from
@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sparkfleet import cluster_link as cl
+from sparkfleet.fleet import cluster_link as cl
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "cluster"
 HOSTS = ("spark-a", "spark-b")

@@ -1,4 +1,4 @@
-"""sparkfleet.cuda_arch: the wheel's CUDA code, listed by NVIDIA's real cuobjdump, judged against a GPU.
+"""sparkfleet.build.cuda_arch: the wheel's CUDA code, listed by NVIDIA's real cuobjdump, judged against a GPU.
 
 The fixtures (tests/fixtures/cuda/*.o, built by build.sh with nvcc from arch_probe.cu) hold one
 kernel compiled for chosen architectures; a test wheel places them where vLLM's binaries sit.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet import cuda_arch as ca
+from sparkfleet.build import cuda_arch as ca
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "cuda"
 
@@ -143,7 +143,7 @@ def test_garbage_and_a_missing_tool_are_named(tmp_path: Path, monkeypatch) -> No
 def test_the_preflight_filter_answers_what_cuda_arch_does() -> None:
     root = Path(__file__).resolve().parents[2]
     script = (
-        "import json, sys; sys.path.insert(0, 'roles/spark_preflight/filter_plugins'); import spark_cuda; "
+        "import json, sys; sys.path.insert(0, 'filter_plugins'); import spark_cuda; "
         "f = spark_cuda.FilterModule().filters()['spark_wheel_cuda_check']; "
         "print(json.dumps(f({'binaries': {'vllm/_C.abi3.so': {'sass': ['sm_90a'], 'ptx': []}}}, 12.1)))"
     )

@@ -1,4 +1,4 @@
-"""The committed CUDA smoke run (tests/gpu/results/cuda_smoke_h200.json) held to the code it judges.
+"""The committed CUDA smoke run (benchmarks/results/gpu/cuda_smoke_h200.json) held to the code it judges.
 
 The run itself needs a GPU (tests/gpu/README.md); what it recorded is checked here, in `make test`:
 
@@ -26,9 +26,10 @@ sys.path.insert(0, str(REPO / "tests" / "gpu"))
 import smoke_cases  # noqa: E402
 import smoke_report  # noqa: E402
 
-from sparkfleet import kv_page_plan, wheel_build  # noqa: E402
+from sparkfleet.build import wheel_build  # noqa: E402
+from sparkfleet.serving import kv_page_plan  # noqa: E402
 
-RESULTS = REPO / "tests" / "gpu" / "results" / "cuda_smoke_h200.json"
+RESULTS = REPO / "benchmarks" / "results" / "gpu" / "cuda_smoke_h200.json"
 RUN = json.loads(RESULTS.read_text(encoding="utf-8"))
 CASES = RUN["cases"]
 HYBRID = sorted(name for name in CASES if smoke_cases.CASES_BY_NAME[name].hybrid)
@@ -156,5 +157,5 @@ def test_gdn_prefill_ran_on_triton_as_the_profiles_set_it() -> None:
 def test_the_smoke_document_is_generated_from_this_run() -> None:
     doc = REPO / "docs" / "gpu-smoke.md"
     assert doc.read_text(encoding="utf-8") == smoke_report.render_document(RUN), (
-        "docs/gpu-smoke.md is stale: regenerate it with the command in tests/gpu/results/cuda_smoke/README.md"
+        "docs/gpu-smoke.md is stale: regenerate it with the command in benchmarks/results/gpu/cuda_smoke/README.md"
     )

@@ -1,4 +1,4 @@
-"""make doctor (playbooks/doctor.yml, sparkfleet/doctor.py) on this machine: the nvidia-smi test double
+"""make doctor (playbooks/doctor.yml, sparkfleet/fleet/doctor.py) on this machine: the nvidia-smi test double
 on PATH, the hub stand-in for the controller's reach, a real listener on the serving port. One row per
 host, each check pass or fail with its fix; the run fails on a failed check and changes nothing."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkfleet import doctor
+from sparkfleet.fleet import doctor
 from tests.hub.server import HubDouble
 
 ROOT = Path(__file__).resolve().parents[2]

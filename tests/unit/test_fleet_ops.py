@@ -20,8 +20,9 @@ from typing import Any
 import paramiko
 import pytest
 
-from sparkfleet import cli, fleet_ops
-from sparkfleet.fleet_ops import FleetHost, HostOutcome, OpsError
+from sparkfleet import cli
+from sparkfleet.fleet import fleet_ops
+from sparkfleet.fleet.fleet_ops import FleetHost, HostOutcome, OpsError
 
 ROOT = Path(__file__).resolve().parents[2]
 # ssh -G offers only identity files that exist: the inventory's key is a real (placeholder) file
@@ -577,7 +578,7 @@ def test_bench_command_runs_the_service_venv_with_the_hosts_identity() -> None:
     command, result_path = fleet_ops.bench_command(sandbox_host(), probe, options, "20260624T100000Z")
     assert result_path == "/var/lib/sparkfleet/bench/20260624T100000Z-decode.json"
     venv_python = "/opt/sparkfleet/venvs/vllm-0.23.0+sf1abc.cpu/bin/python"
-    assert f"PYTHONPATH=/opt/sparkfleet/lib {venv_python} -m sparkfleet.bench decode" in command
+    assert f"PYTHONPATH=/opt/sparkfleet/lib {venv_python} -m sparkfleet.hostlib.bench decode" in command
     for part in (
         "--base-url http://127.0.0.1:8000",
         "--patch-set sf1-3a9c0d1e",
@@ -594,25 +595,28 @@ def test_bench_command_runs_the_service_venv_with_the_hosts_identity() -> None:
 
 
 def test_bench_payload_runs_standalone_from_the_copy(tmp_path: Path) -> None:
-    """What ops copies to a host is enough for `python -m sparkfleet.bench` under a venv's Python: the
+    """What ops copies to a host is enough for `python -m sparkfleet.hostlib.bench` under a venv's Python: the
     standard library and the packages vLLM brings (tests/unit/test_bench_portable.py), nothing of this
     checkout but the copy."""
     lib = tmp_path / "lib"
     for local, relative in fleet_ops.bench_payload():
         (lib / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(local, lib / relative)
-    assert not (lib / "sparkfleet" / "fleet_ops.py").exists(), "only the bench clients travel"
+    assert sorted(p.name for p in (lib / "sparkfleet").iterdir()) == ["__init__.py", "hostlib"], (
+        "only the bench clients travel"
+    )
     env = {"PYTHONPATH": str(lib), "PATH": os.environ.get("PATH", ""), "PYTHONNOUSERSITE": "1"}
     check = (
-        "import sparkfleet.bench, sparkfleet.bench.decode; from sparkfleet.bench.workloads import load_workload; "
-        f"assert sparkfleet.bench.__file__.startswith({str(lib)!r}), sparkfleet.bench.__file__; "
+        "import sparkfleet.hostlib.bench, sparkfleet.hostlib.bench.decode; "
+        "from sparkfleet.hostlib.bench.workloads import load_workload; "
+        f"assert sparkfleet.hostlib.bench.__file__.startswith({str(lib)!r}), sparkfleet.hostlib.bench.__file__; "
         "print(len(load_workload('prose', 0.25, 2).requests))"
     )
     proc = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "2"
     proc = subprocess.run(
-        [sys.executable, "-m", "sparkfleet.bench", "decode", "--help"],
+        [sys.executable, "-m", "sparkfleet.hostlib.bench", "decode", "--help"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

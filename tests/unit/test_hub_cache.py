@@ -1,4 +1,4 @@
-"""sparkfleet.hub_cache with the real huggingface_hub client against the local hub double (tests/hub).
+"""sparkfleet.build.hub_cache with the real huggingface_hub client against the local hub double (tests/hub).
 
 Covers issue 4's controller side: pinning (a branch, tag or short sha is refused), verification
 against the hub's sha256 / git blob id, the manifest, each byte fetched once, resume after a cut,
@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet import cli, hub_cache, kv_page_plan
-from sparkfleet.hub_cache import HubCacheError, check_revision, describe, fetch, transfer_batches
+from sparkfleet import cli
+from sparkfleet.build import hub_cache
+from sparkfleet.build.hub_cache import HubCacheError, check_revision, describe, fetch, transfer_batches
+from sparkfleet.serving import kv_page_plan
 from tests.hub.server import HubDouble, git_blob_id
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -134,7 +136,7 @@ def test_each_download_says_its_rate_and_the_bytes_the_seed_holds(hub: HubDouble
     rest = [path for path in sizes if path != first]
     manifest_file = str(hub_cache.SeedCache(tmp_path).write_manifest(manifest))
     fetched = subprocess.run(
-        [sys.executable, "-m", "sparkfleet.hub_cache", "fetch", "--manifest", manifest_file,
+        [sys.executable, "-m", "sparkfleet.build.hub_cache", "fetch", "--manifest", manifest_file,
          "--seed-dir", str(tmp_path), "--endpoint", hub.endpoint, "--progress", *[f"--file={p}" for p in rest]],
         capture_output=True, text=True, cwd=REPO_ROOT, timeout=60, check=False,
     )  # fmt: skip
@@ -270,14 +272,14 @@ def test_a_gated_repo_needs_the_token_and_never_prints_it(
     else:
         env["HF_TOKEN"] = secret
     described = subprocess.run(
-        [sys.executable, "-m", "sparkfleet.hub_cache", "describe", "--repo", TARGET, "--revision", repos["target"],
-         *common],
+        [sys.executable, "-m", "sparkfleet.build.hub_cache", "describe", "--repo", TARGET,
+         "--revision", repos["target"], *common],
         capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=60, check=False,
     )  # fmt: skip
     assert described.returncode == 0, described.stderr
     manifest_file = json.loads(described.stdout)["manifest"]
     fetched = subprocess.run(
-        [sys.executable, "-m", "sparkfleet.hub_cache", "fetch", "--manifest", manifest_file, *common],
+        [sys.executable, "-m", "sparkfleet.build.hub_cache", "fetch", "--manifest", manifest_file, *common],
         capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=60, check=False,
     )  # fmt: skip
     assert fetched.returncode == 0, fetched.stderr
@@ -341,7 +343,7 @@ def test_transfer_batches_put_big_files_alone() -> None:
 
 
 def test_the_cli_is_registered_and_refuses_a_branch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.COMMANDS.get("weights") == "sparkfleet.hub_cache"
+    assert cli.COMMANDS.get("weights") == "sparkfleet.build.hub_cache"
     code = cli.main(
         ["weights", "describe", "--repo", DRAFTER, "--revision", "main", "--seed-dir", str(tmp_path), "--json"]
     )

@@ -1,4 +1,4 @@
-"""roles/model_cache/library/model_cache_verify.py run as Ansible runs it (JSON args in, JSON out), locally.
+"""library/model_cache_verify.py run as Ansible runs it (JSON args in, JSON out), locally.
 
 The host-side check of issue 4: missing, truncated and corrupted files found and (with remove_bad)
 removed, the free-space refusal naming the path, the need and what is free, the manifest written

@@ -1,4 +1,4 @@
-"""Unit tests for sparkfleet.kv_page_plan (no vLLM): reference figures, the CLI, bad inputs.
+"""Unit tests for sparkfleet.serving.kv_page_plan (no vLLM): reference figures, the CLI, bad inputs.
 
 The planner's figures are checked against the real vLLM code in tests/vllm/test_kv_unify_real.py;
 these tests pin what the reference recorded on real hardware and the planner's contract.
@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from sparkfleet import cli, kv_page_plan
-from sparkfleet.kv_page_plan import KVPlanInputError, plan
+from sparkfleet import cli
+from sparkfleet.serving import kv_page_plan
+from sparkfleet.serving.kv_page_plan import KVPlanInputError, plan
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = REPO_ROOT / "tests" / "fixtures" / "kv_configs"
@@ -324,7 +325,7 @@ def test_cli_bad_path_is_one_line(tmp_path: Path) -> None:
 
 
 def test_registered_in_the_cli() -> None:
-    assert cli.COMMANDS["kv-plan"] == "sparkfleet.kv_page_plan"
+    assert cli.COMMANDS["kv-plan"] == "sparkfleet.serving.kv_page_plan"
     args = cli.build_parser().parse_args(
         ["kv-plan", "--target-config", str(TARGET_DIR), "--num-speculative-tokens", "0"]
     )
@@ -333,7 +334,7 @@ def test_registered_in_the_cli() -> None:
 
 def test_planner_imports_neither_vllm_nor_torch() -> None:
     code = (
-        "import sys, sparkfleet.kv_page_plan; "
+        "import sys, sparkfleet.serving.kv_page_plan; "
         "bad = [m for m in ('vllm', 'torch') if m in sys.modules]; print(bad); sys.exit(bool(bad))"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=False)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet import hub_cache
-from sparkfleet.hub_cache import HubCacheError
+from sparkfleet.build import hub_cache
+from sparkfleet.build.hub_cache import HubCacheError
 
 ROOT = Path(__file__).resolve().parents[2]
 _SPEC = importlib.util.spec_from_file_location(

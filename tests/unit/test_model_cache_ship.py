@@ -1,4 +1,4 @@
-"""model_cache's ship plan (roles/model_cache/filter_plugins/model_cache_ship.py) against real find output.
+"""model_cache's ship plan (filter_plugins/model_cache_ship.py) against real find output.
 
 The role lists a host's copies of the local models with ansible's own ``find`` (checksummed) and
 ships only the models the filter names. The listing here comes from that module, run by ansible on

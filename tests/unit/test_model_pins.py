@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkfleet import model_pins, profiles
 from sparkfleet.cli import main as cli_main
+from sparkfleet.serving import model_pins, profiles
 from tests.hub.server import HubDouble
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -23,8 +23,22 @@ def plugin_files() -> list[Path]:
     found = []
     for folder in PLUGIN_DIRS:
         found += REPO_ROOT.glob(f"{folder}/*.py")
-        found += REPO_ROOT.glob(f"roles/*/{folder}/*.py")
     return sorted(found)
+
+
+def test_plugins_live_only_where_ansible_cfg_names() -> None:
+    """No role carries plugins of its own: a reader finds every filter, lookup, module and callback in
+    the folders ansible.cfg names (roles use them through that configuration)."""
+    config = configparser.ConfigParser()
+    config.read(REPO_ROOT / "ansible.cfg")
+    named = {folder for key, value in config["defaults"].items() if key in PLUGIN_DIRS for folder in value.split(":")}
+    tracked = subprocess.run(
+        ["git", "ls-files", "*.py"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    stray = [
+        path for path in tracked if set(path.split("/")[:-1]) & set(PLUGIN_DIRS) and path.split("/")[0] not in named
+    ]
+    assert not stray, f"plugins outside the folders ansible.cfg names: {stray}"
 
 
 def test_every_folder_ansible_cfg_names_exists() -> None:
@@ -50,8 +64,8 @@ def test_there_are_plugins_and_none_edits_sys_path() -> None:
         "filter_plugins/sparkfleet.py",
         "lookup_plugins/sparkfleet_profile.py",
         "lookup_plugins/sparkfleet_plan.py",
-        "roles/spark_preflight/filter_plugins/spark_cuda.py",
-        "roles/serve_health/filter_plugins/prometheus_text.py",
+        "filter_plugins/spark_cuda.py",
+        "filter_plugins/prometheus_text.py",
     ],
 )
 def test_a_plugin_run_by_a_python_without_sparkfleet_fails_the_import(plugin: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkfleet import profiles
+from sparkfleet.serving import profiles
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = yaml.safe_load((ROOT / "inventory/group_vars/all/profiles.yml").read_text())
@@ -180,8 +180,8 @@ def run_resolve(
 
 @pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
 def test_a_play_resolves_the_profile_with_every_inventory_layer_of_its_host(tmp_path: Path) -> None:
-    """The sparkfleet_profile lookup reads every layer (sparkfleet.profiles.LAYER_VARIABLES) from the host's
-    variables, extra vars included, as sparkfleet.profiles.resolve_from does."""
+    """The sparkfleet_profile lookup reads every layer (sparkfleet.serving.profiles.LAYER_VARIABLES) from the host's
+    variables, extra vars included, as sparkfleet.serving.profiles.resolve_from does."""
     site = {
         "sparkfleet_profile": "dflash",
         "sparkfleet_models": pinned_models(),

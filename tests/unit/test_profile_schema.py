@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkfleet import profile_schema, profiles, vllm_schema
+from sparkfleet.serving import profile_schema, profiles, vllm_schema
 from tests.unit.test_profile_models import ANSIBLE_PLAYBOOK, pinned_models, run_resolve, site_inventory
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkfleet import profiles
+from sparkfleet.serving import profiles
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = yaml.safe_load((ROOT / "inventory/group_vars/all/profiles.yml").read_text())

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import pytest
 
-from sparkfleet import profile_schema, startup
+from sparkfleet.serving import profile_schema, startup
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / "files" / "bin"
@@ -184,7 +184,7 @@ def test_a_bad_reference_is_refused_by_name(reference: object, message: str) -> 
 
 def test_the_report_puts_the_start_beside_the_gb10_reference(tmp_path: Path) -> None:
     from sparkfleet import cli
-    from sparkfleet.bench import results as res
+    from sparkfleet.hostlib.bench import results as res
 
     result = res.new_result(
         "decode",

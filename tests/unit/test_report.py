@@ -10,9 +10,10 @@ import pytest
 from matplotlib.figure import Figure
 from matplotlib.text import Text
 
-from sparkfleet import charts, cli
-from sparkfleet.bench import results as res
-from sparkfleet.report import build_report
+from sparkfleet import cli
+from sparkfleet.fleet import charts
+from sparkfleet.fleet.report import build_report
+from sparkfleet.hostlib.bench import results as res
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -3,7 +3,7 @@
 No sandbox and no vLLM: the roles run on localhost (connection local) against small HTTP stubs that
 answer like vLLM's OpenAI server and expose vLLM's /metrics counters:
 
-- serve_bench (decode + e2e through the real ``sparkfleet.bench`` clients, copied by the role): the
+- serve_bench (decode + e2e through the real ``sparkfleet.hostlib.bench`` clients, copied by the role): the
   result JSON lands on the "host" and under ``<fetch dir>/<host>/`` with its identity fields, every
   figure and baseline check is printed, a regression fails the run, and a baseline naming no figure
   is refused before anything is written;
@@ -438,7 +438,7 @@ def test_prometheus_sum_names_bad_input(text: Any, name: str, fragment: str) -> 
 
 def test_payload_is_what_ops_bench_ships() -> None:
     """The role copies the same files as `sparkfleet ops bench` (one list of what the clients need)."""
-    from sparkfleet.fleet_ops import BENCH_PAYLOAD_GLOBS
+    from sparkfleet.fleet.fleet_ops import BENCH_PAYLOAD_GLOBS
 
     role_vars = yaml.safe_load((ROOT / "roles" / "serve_bench" / "vars" / "main.yml").read_text())
     for pattern in BENCH_PAYLOAD_GLOBS:

@@ -1,4 +1,4 @@
-"""sparkfleet.serving_plan: what one host serves, computed once from its inventory variables (the
+"""sparkfleet.serving.serving_plan: what one host serves, computed once from its inventory variables (the
 sparkfleet_plan lookup runs it at the start of every serving play; test_profile_models drives the lookup
 through ansible-playbook)."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from sparkfleet import profiles, serving_plan
+from sparkfleet.serving import profiles, serving_plan
 from tests.unit.test_profile_models import pinned_models
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""sparkfleet.serving_state: the schema of a host's state.json and what plays derive from it (the
+"""sparkfleet.serving.serving_state: the schema of a host's state.json and what plays derive from it (the
 probe address of a bind address, the probe URL, each served model's revision), against the record the
 vllm_service role writes (its __vllm_service_state, rendered with Ansible's own templating)."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from sparkfleet import serving_state
+from sparkfleet.serving import serving_state
 from tests.unit.test_unit_template import expression
 
 TARGET_REV = "a" * 40

@@ -1,5 +1,5 @@
-"""Unit tests of roles/spark_preflight/lookup_plugins/spark_kv_plan.py, the controller-side bridge
-from spark_preflight to sparkfleet.kv_page_plan (loaded through Ansible's plugin loader)."""
+"""Unit tests of lookup_plugins/spark_kv_plan.py, the controller-side bridge
+from spark_preflight to sparkfleet.serving.kv_page_plan (loaded through Ansible's plugin loader)."""
 
 from __future__ import annotations
 

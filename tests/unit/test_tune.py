@@ -1,4 +1,4 @@
-"""`make tune`'s Python half (sparkfleet/tune.py) and the profile layer it writes (sparkfleet_tuned)."""
+"""`make tune`'s Python half (sparkfleet/fleet/tune.py) and the profile layer it writes (sparkfleet_tuned)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from sparkfleet import kv_page_plan, profiles, tune
+from sparkfleet.fleet import tune
+from sparkfleet.serving import kv_page_plan, profiles
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures" / "kv_configs"
@@ -147,7 +148,7 @@ def test_the_chart_draws_both_panels() -> None:
     rows = [tune.row_from_result(n, "code", decode_result("code", 40.0 + n, 40.0 + n, 1 + n / 4)) for n in (4, 8, 12)]
     fig_png = tune.chart_png("spark-01 dflash: code", rows, tune.best(rows))
     assert fig_png.startswith(b"\x89PNG")
-    from sparkfleet import charts
+    from sparkfleet.fleet import charts
 
     fig = charts.tune_figure("t", [(r.n, r.decode_tok_s, r.acceptance_length) for r in rows], 12)
     left, right = fig.axes[:2]
@@ -298,7 +299,7 @@ def test_the_tune_command_is_registered() -> None:
 def test_the_report_shows_each_tuning(tmp_path: Path) -> None:
     """`make report` renders results/tune/<host>/*-tune-*.json: the table and the chart; the decode runs
     of a tune (each at another n than the profile's) stay out of the profile's sections."""
-    from sparkfleet import report
+    from sparkfleet.fleet import report
 
     results = tmp_path / "results"
     runs = []

@@ -1,4 +1,4 @@
-"""sparkfleet.unit_state: the one line `make health` and `make status` print for a serving unit.
+"""sparkfleet.serving.unit_state: the one line `make health` and `make status` print for a serving unit.
 
 The crash-loop journals are recorded from a sandbox host (systemd 252) whose unit was given an argument
 vLLM 0.23 refuses: five automatic restarts, then systemd's start rate limit (StartLimitBurst=5). systemd
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet import unit_state
+from sparkfleet.serving import unit_state
 
 DATA = Path(__file__).parent / "unit_state_data"
 UNIT = "sparkfleet-vllm-dflash.service"

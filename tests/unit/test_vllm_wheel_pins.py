@@ -64,7 +64,7 @@ def test_a_pin_without_a_local_label_matches_a_local_build(tmp_path: Path) -> No
 @pytest.mark.parametrize("flavor", ["cpu", "gpu"])
 def test_the_pins_of_a_lock_are_its_name_version_lines_as_ansible_renders_them(tmp_path: Path, flavor: str) -> None:
     """The role's pins from a hash-pinned lock (each NAME==VERSION line continues with `\\` and its hash)."""
-    from sparkfleet import wheelhouse
+    from sparkfleet.build import wheelhouse
 
     spec = wheelhouse.FLAVORS[flavor]
     play = tmp_path / "pins.yml"

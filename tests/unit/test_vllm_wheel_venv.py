@@ -1,4 +1,4 @@
-"""roles/vllm_wheel/library/vllm_wheel_venv.py run as Ansible runs it (JSON args in, JSON out), locally,
+"""library/vllm_wheel_venv.py run as Ansible runs it (JSON args in, JSON out), locally,
 against a real venv: ``python3 -m venv`` (pip from ensurepip) with a wheel written here by hand and
 installed offline from a directory, as the role installs from its wheelhouse.
 

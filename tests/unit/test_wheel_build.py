@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparkfleet import wheel_build
+from sparkfleet.build import wheel_build
 
 STOCK_THING = "".join(f"line {n}\n" for n in range(1, 30))
 PATCHED_THING = STOCK_THING.replace("line 10\n", "line 10\n# sparkfleet: added after line 10\n")

@@ -1,4 +1,4 @@
-"""sparkfleet.wheel_closure: what a machine lacks of a closure, walked from the wheels' own metadata."""
+"""sparkfleet.build.wheel_closure: what a machine lacks of a closure, walked from the wheels' own metadata."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet import wheel_closure as wc
+from sparkfleet.build import wheel_closure as wc
 
 X86 = wc.TargetMachine("3.12", "x86_64")
 ARM = wc.TargetMachine("3.12", "aarch64")

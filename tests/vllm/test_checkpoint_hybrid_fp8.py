@@ -115,7 +115,7 @@ DOC_BLOCK = ("<!-- amx_block_fp8:begin -->", "<!-- amx_block_fp8:end -->")
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from sparkfleet.checkpoint import BuildOptions, build_hybrid
+    from sparkfleet.build.checkpoint import BuildOptions, build_hybrid
     from tests.fixtures.hybrid_fp8_checkpoint import write_hybrid_fp8_checkpoint
 
     root = tmp_path_factory.mktemp("ckpt_hybrid")
@@ -144,9 +144,9 @@ def _with_varied_blocks(source: Path, dest: Path) -> Path:
     block scales would equal the per-tensor one: a scale grid written transposed or misplaced would go
     unnoticed. Scaling blocks by 1, 2, 4 or 8 (exact in BF16) makes each block's scale its own.
     """
-    from sparkfleet import fp8_quant
-    from sparkfleet.checkpoint import read_layout
-    from sparkfleet.safetensors_stream import ByteRange, ShardEntry, read_tensor_bytes, write_shard
+    from sparkfleet.build import fp8_quant
+    from sparkfleet.build.checkpoint import read_layout
+    from sparkfleet.build.safetensors_stream import ByteRange, ShardEntry, read_tensor_bytes, write_shard
 
     layout = read_layout(source)
     shutil.copytree(source, dest, ignore=shutil.ignore_patterns("*.safetensors"))
@@ -257,9 +257,9 @@ def reference(built: dict[str, Any]) -> dict[str, Any]:
 def test_manifest_reports_fp8_error_per_tensor(built: dict[str, Any]) -> None:
     import torch
 
-    from sparkfleet import fp8_quant
-    from sparkfleet.checkpoint import read_layout
-    from sparkfleet.safetensors_stream import read_tensor_bytes
+    from sparkfleet.build import fp8_quant
+    from sparkfleet.build.checkpoint import read_layout
+    from sparkfleet.build.safetensors_stream import read_tensor_bytes
 
     for name in ("block", "tensor", "varied-block"):
         manifest = built["manifests"][name]
@@ -301,7 +301,7 @@ def test_block_scales_follow_their_blocks(built: dict[str, Any]) -> None:
 def test_quantize_block_scales_layout_and_error_bound() -> None:
     import torch
 
-    from sparkfleet import fp8_quant
+    from sparkfleet.build import fp8_quant
 
     generator = torch.Generator().manual_seed(7)
     weight = (torch.rand(200, 300, generator=generator) * 2 - 1) * _block_factors(200, 300)
@@ -653,9 +653,9 @@ def _render_figures(figures: dict[str, Any]) -> str:
 
 
 def _tensors(path: Path) -> dict[str, Any]:
-    from sparkfleet import fp8_quant
-    from sparkfleet.checkpoint import read_layout
-    from sparkfleet.safetensors_stream import read_tensor_bytes
+    from sparkfleet.build import fp8_quant
+    from sparkfleet.build.checkpoint import read_layout
+    from sparkfleet.build.safetensors_stream import read_tensor_bytes
 
     layout = read_layout(path)
     out = {}
@@ -1095,7 +1095,7 @@ def _probe_block_layout() -> str:
     """Which scale layouts torch._scaled_mm takes for 1x128 x 128x128 blockwise scaling, checked numerically."""
     import torch
 
-    from sparkfleet import fp8_quant
+    from sparkfleet.build import fp8_quant
 
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(32, 256, generator=generator) * _block_factors(32, 256)
@@ -1141,7 +1141,7 @@ def _gpu_fp8_gemm(out: Path) -> None:
 
     import torch
 
-    from sparkfleet.checkpoint import BuildOptions, build_hybrid
+    from sparkfleet.build.checkpoint import BuildOptions, build_hybrid
     from tests.fixtures.hybrid_fp8_checkpoint import write_hybrid_fp8_checkpoint
 
     root = Path(tempfile.mkdtemp())

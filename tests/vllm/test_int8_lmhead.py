@@ -1,7 +1,7 @@
 """The int8 lm head on the real vLLM 0.23 code (patch 0003) and its kernels under the Triton interpreter.
 
 In-process (fast, no Triton run): the quantization and its error bounds, the switch and its errors,
-the device decision, and that the file patch 0003 adds is byte-identical to sparkfleet/int8_lmhead.py.
+the device decision, and that the file patch 0003 adds is byte-identical to sparkfleet/kernels/int8_lmhead.py.
 
 In one child process (``TRITON_INTERPRET=1`` must be set before triton is imported, so it cannot be
 this pytest process): the installed vllm package is overlaid by a shadow tree where only the files
@@ -35,7 +35,7 @@ if str(REPO_ROOT) not in sys.path:
 pytestmark = pytest.mark.vllm
 
 PATCH_FILE = REPO_ROOT / "files" / "patches" / "vllm-0.23.0" / "0003-int8-lm-head.patch"
-SHARED_FILE = REPO_ROOT / "sparkfleet" / "int8_lmhead.py"
+SHARED_FILE = REPO_ROOT / "sparkfleet" / "kernels" / "int8_lmhead.py"
 ADDED_FILE = "vllm/model_executor/layers/quantization/utils/int8_lmhead.py"
 HOOK_FILE = "vllm/model_executor/layers/vocab_parallel_embedding.py"
 CHILD_TIMEOUT_S = 240
@@ -80,7 +80,7 @@ def patch_with_shared_file(patch_text: str, content: str, path: str = ADDED_FILE
 def test_patch_adds_the_shared_file_byte_for_byte() -> None:
     added = added_file_from_patch(PATCH_FILE.read_text(), ADDED_FILE)
     assert added == SHARED_FILE.read_text(), (
-        "sparkfleet/int8_lmhead.py and the file patch 0003 adds differ: regenerate the hunk with "
+        "sparkfleet/kernels/int8_lmhead.py and the file patch 0003 adds differ: regenerate the hunk with "
         "build/venv-vllm/bin/python tests/vllm/test_int8_lmhead.py --write-patch"
     )
 
@@ -88,7 +88,7 @@ def test_patch_adds_the_shared_file_byte_for_byte() -> None:
 def test_quantization_bounds_hold() -> None:
     import torch
 
-    from sparkfleet import int8_lmhead
+    from sparkfleet.kernels import int8_lmhead
 
     gen = torch.Generator().manual_seed(3)
     weight = (torch.randn(300, 70, generator=gen) * 0.03).to(torch.bfloat16)
@@ -111,7 +111,7 @@ def test_quantization_bounds_hold() -> None:
 def test_tiled_layout_holds_the_same_codes() -> None:
     import torch
 
-    from sparkfleet import int8_lmhead
+    from sparkfleet.kernels import int8_lmhead
 
     weight = (torch.randn(300, 70, generator=torch.Generator().manual_seed(4)) * 0.03).to(torch.bfloat16)
     plain = int8_lmhead.quantize_lm_head_weight(weight, chunk_rows=100)
@@ -126,7 +126,7 @@ def test_tiled_layout_holds_the_same_codes() -> None:
 def test_bad_inputs_are_named() -> None:
     import torch
 
-    from sparkfleet import int8_lmhead
+    from sparkfleet.kernels import int8_lmhead
 
     with pytest.raises(ValueError, match=r"VLLM_SPARKFLEET_INT8_LMHEAD='yes'.*set it to 1"):
         int8_lmhead.int8_lmhead_enabled({"VLLM_SPARKFLEET_INT8_LMHEAD": "yes"})
@@ -146,7 +146,7 @@ def test_device_decision() -> None:
     """CUDA takes the int8 path whenever triton imports; CPU only under the interpreter."""
     import torch
 
-    from sparkfleet import int8_lmhead
+    from sparkfleet.kernels import int8_lmhead
 
     assert int8_lmhead.triton is not None  # build/venv-vllm carries triton
     assert int8_lmhead.int8_lmhead_device_supported(torch.device("cuda"))
@@ -615,7 +615,9 @@ if __name__ == "__main__":
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--scenario", type=Path, help="run the scenario child; write its JSON here")
     group.add_argument(
-        "--write-patch", action="store_true", help="rewrite patch 0003's new-file hunk from sparkfleet/int8_lmhead.py"
+        "--write-patch",
+        action="store_true",
+        help="rewrite patch 0003's new-file hunk from sparkfleet/kernels/int8_lmhead.py",
     )
     cli = parser.parse_args()
     if cli.write_patch:

@@ -14,7 +14,7 @@ ModelConfig / SpeculativeConfig / CacheConfig), then vLLM's own steps run:
 
 The patched code is the stock files of the installed vllm with the patch applied by ``patch -p1`` in a
 temporary directory, loaded as separate modules. Every outcome is compared with
-``sparkfleet.kv_page_plan.plan``.
+``sparkfleet.serving.kv_page_plan.plan``.
 
 Run as a script to print the table or write docs/kv-unify.md:
     build/venv-vllm/bin/python tests/vllm/test_kv_unify_real.py --write docs/kv-unify.md
@@ -50,7 +50,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from sparkfleet import kv_page_plan  # noqa: E402
+from sparkfleet.serving import kv_page_plan  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -1388,7 +1388,7 @@ def profile_pool_section(real: RealVLLM) -> list[str]:
         "one page size (every layer type dealt into groups of the smallest type's size); a request holds",
         "`ceil(262144 / block)` blocks in each attention group and `1 + n` pages in each GDN group (`2 + n`",
         "with prefix caching's `align` mode), and the pool is `KV bytes // (page x layers per group)`",
-        "blocks. `planner` is `sparkfleet.kv_page_plan.kv_pool` (stdlib only); `vLLM` is",
+        "blocks. `planner` is `sparkfleet.serving.kv_page_plan.kv_pool` (stdlib only); `vLLM` is",
         "`get_kv_cache_configs` and `get_max_concurrency_for_kv_cache_config` of the patched build.",
         "",
         "| profile | drafter | n | prefix caching | groups (layers each) | blocks per request | GiB per request "
@@ -1521,7 +1521,7 @@ def render_document(
         "    [--kv-cache-gib 27.72]   # also the pool: tokens and max concurrency at --max-model-len",
         "```",
         "",
-        "From Python (the Ansible side): `sparkfleet.kv_page_plan.plan(target_config, drafter_config,",
+        "From Python (the Ansible side): `sparkfleet.serving.kv_page_plan.plan(target_config, drafter_config,",
         "num_speculative_tokens, patched, drafter_label=...)` returns a `KVPlan` with `.ok`, `.reason`",
         "(one line naming the drafter and why), `.attention_block_size`, `.drafter_block_size`,",
         "`.page_size_bytes`, `.padding_pct`, `.kernel_block_sizes`, `.scheduler_block_size`,",

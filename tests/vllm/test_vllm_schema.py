@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet import profiles, vllm_schema
+from sparkfleet.serving import profiles, vllm_schema
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_recorded_schema_is_what_the_installed_vllm_gives() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "sparkfleet.vllm_schema", "--check"],
+        [sys.executable, "-m", "sparkfleet.serving.vllm_schema", "--check"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet import wheel_build
+from sparkfleet.build import wheel_build
 
 pytestmark = pytest.mark.vllm
 

@@ -1,7 +1,0 @@
-"""``python -m sparkfleet.bench``: the benchmark clients without the controller's CLI."""
-
-import sys
-
-from sparkfleet.bench import main
-
-sys.exit(main())
