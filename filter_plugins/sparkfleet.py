@@ -9,6 +9,7 @@ from ansible.errors import AnsibleFilterError
 # sparkfleet is installed in the controller venv (make venv), where ansible-playbook runs
 from sparkfleet.fleet import doctor as _doctor
 from sparkfleet.serving import profiles as _profiles
+from sparkfleet.serving import service_unit as _service_unit
 from sparkfleet.serving import serving_state as _serving_state
 from sparkfleet.serving import unit_state as _unit_state
 
@@ -32,38 +33,13 @@ def sparkfleet_profile_errors(resolved: dict[str, Any], refused: list[dict[str, 
     return _profiles.errors(resolved, refused)
 
 
-def sparkfleet_vllm_argv(
-    resolved: dict[str, Any],
-    venv: str,
-    model_path: str,
-    drafter_path: str,
-    served_model_name: str,
-    host: str,
-    port: int,
-) -> list[str]:
-    """``profile | sparkfleet_vllm_argv(venv, model_path, drafter_path, served_name, host, port)``: the
-    `vllm serve` command line of the unit (sparkfleet.serving.profiles.vllm_argv)."""
-    return _profiles.vllm_argv(
-        resolved,
-        venv=venv,
-        model_path=model_path,
-        drafter_path=drafter_path,
-        served_model_name=served_model_name,
-        host=host,
-        port=port,
-    )
-
-
-def sparkfleet_service_env(resolved: dict[str, Any], cache_dir: str, patchset_id: str) -> dict[str, str]:
-    """``profile | sparkfleet_service_env(cache_dir, patchset_id)``: the unit's environment."""
-    return _profiles.service_env(resolved, cache_dir=cache_dir, patchset_id=patchset_id)
-
-
-def sparkfleet_systemd_args(argv: list[str]) -> str:
-    """``argv | sparkfleet_systemd_args``: the list quoted for a unit's ExecStart= line."""
-    if not isinstance(argv, list):
-        raise AnsibleFilterError(f"sparkfleet_systemd_args expects a list, got {argv!r}")
-    return _profiles.systemd_exec_args(argv)
+def sparkfleet_unit_spec(inputs: dict[str, Any]) -> dict[str, Any]:
+    """``inputs | sparkfleet_unit_spec``: everything the serving unit and state.json hold, from the
+    vllm_service role's inputs (sparkfleet.serving.service_unit.spec)."""
+    try:
+        return _service_unit.spec(inputs)
+    except (_service_unit.SpecError, _serving_state.StateError, ValueError, TypeError) as exc:
+        raise AnsibleFilterError(f"sparkfleet_unit_spec: {exc}") from exc
 
 
 def sparkfleet_unit_state(show: str, unit: str, journal: list[str] | None = None) -> dict[str, Any]:
@@ -86,11 +62,6 @@ def sparkfleet_state(slurped: dict[str, Any], where: str) -> dict[str, Any]:
         return _serving_state.from_slurp(slurped, where)
     except _serving_state.StateError as exc:
         raise AnsibleFilterError(str(exc)) from exc
-
-
-def sparkfleet_probe_host(bind: str) -> str:
-    """``bind_address | sparkfleet_probe_host``: the address a probe on the host itself uses."""
-    return _serving_state.probe_host(bind)
 
 
 def sparkfleet_unit_name(profile: str) -> str:
@@ -136,13 +107,10 @@ class FilterModule:
             "sparkfleet_with_speculative_tokens": sparkfleet_with_speculative_tokens,
             "sparkfleet_profile_names": sparkfleet_profile_names,
             "sparkfleet_profile_errors": sparkfleet_profile_errors,
-            "sparkfleet_vllm_argv": sparkfleet_vllm_argv,
-            "sparkfleet_service_env": sparkfleet_service_env,
-            "sparkfleet_systemd_args": sparkfleet_systemd_args,
+            "sparkfleet_unit_spec": sparkfleet_unit_spec,
             "sparkfleet_unit_state": sparkfleet_unit_state,
             "sparkfleet_last_error": sparkfleet_last_error,
             "sparkfleet_state": sparkfleet_state,
-            "sparkfleet_probe_host": sparkfleet_probe_host,
             "sparkfleet_unit_name": sparkfleet_unit_name,
             "sparkfleet_doctor": sparkfleet_doctor,
             "sparkfleet_doctor_row": sparkfleet_doctor_row,

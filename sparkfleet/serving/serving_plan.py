@@ -14,7 +14,11 @@ break the model, and models missing or not pinned; a play refuses the host when 
 entries; {} for none), ``drafter_key``, ``model_cache`` (model_cache's list), ``models_dir``,
 ``model_path`` and ``drafter_path`` (on the host), ``model_revisions`` ({name: revision}, 'local' for
 a model without one), ``wheel_manifest`` (its path on the controller) and ``wheel`` (its content; {}
-before `make wheel`), ``venv``, ``vllm_version``, ``patchset_id``, ``disk_gib`` (the weights' size).
+before `make wheel`), ``venv``, ``vllm_version``, ``patchset_id``, ``disk_gib`` (the weights' size),
+``api`` (``api`` below: where the server listens and how a probe on the host reaches it).
+
+The unit's own values (its ExecStart, environment, memory limits, state record) are worked out from
+these parts by sparkfleet.serving.service_unit.spec, which the vllm_service role calls once.
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ VARIABLES = (
     "sparkfleet_root",
     "sparkfleet_wheel_dir",
     "sparkfleet_vllm_flavor",
+    "sparkfleet_api_host",
+    "sparkfleet_api_port",
+    "sparkfleet_served_model_name",
+    "sparkfleet_api_key",
 )
 
 
@@ -56,6 +64,31 @@ def read_manifest(path: str) -> dict[str, Any]:
     except ValueError as error:
         raise PlanError(f"{path} is not JSON ({error}); run make wheel again") from error
     return manifest if isinstance(manifest, dict) else {}
+
+
+def api(variables: Mapping[str, Any]) -> dict[str, Any]:
+    """Where the server listens (``host``, ``port``), the model name clients ask for, the address and
+    URLs a probe on the host uses, and how it authenticates: ``auth`` is the header a client sends,
+    with the key's place named, never the key (``{}`` when the API has no key)."""
+    for key in ("sparkfleet_api_host", "sparkfleet_api_port", "sparkfleet_served_model_name"):
+        if variables.get(key) in (None, ""):
+            raise PlanError(f"{key} is not set: is inventory/group_vars/all linked into this inventory?")
+    host, port = str(variables["sparkfleet_api_host"]), str(variables["sparkfleet_api_port"])
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise PlanError(f"sparkfleet_api_port {port!r} is not a TCP port: give a number from 1 to 65535")
+    port = int(port)
+    url = serving_state.base_url(host, port)
+    return {
+        "host": host,
+        "port": port,
+        "served_model_name": str(variables["sparkfleet_served_model_name"]),
+        "probe_host": serving_state.probe_host(host),
+        "url": url,
+        "health_url": f"{url}/health",
+        "auth": {"header": "Authorization", "scheme": "Bearer", "key": "sparkfleet_api_key"}
+        if variables.get("sparkfleet_api_key")
+        else {},
+    }
 
 
 def build(variables: Mapping[str, Any], name: str) -> dict[str, Any]:
@@ -97,4 +130,5 @@ def build(variables: Mapping[str, Any], name: str) -> dict[str, Any]:
         "vllm_version": str(wheel.get("version", "")),
         "patchset_id": str(wheel.get("patchset_id", "")),
         "disk_gib": (target.get("size_gib") or 0) + (drafter.get("size_gib") or 0),
+        "api": api(variables),
     }

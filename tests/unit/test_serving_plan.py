@@ -70,3 +70,40 @@ def test_bad_input_is_one_line_naming_it(tmp_path: Path) -> None:
     (tmp_path / "wheels" / "gpu-current.json").write_text("{broken")
     with pytest.raises(serving_plan.PlanError, match=r"gpu-current.json is not JSON .*run make wheel again"):
         serving_plan.build(inventory(tmp_path), "dense")
+
+
+@pytest.mark.parametrize(
+    ("bind", "port", "probe", "url"),
+    [
+        ("127.0.0.1", 8000, "127.0.0.1", "http://127.0.0.1:8000"),
+        ("0.0.0.0", "8123", "127.0.0.1", "http://127.0.0.1:8123"),
+        ("::", 8000, "127.0.0.1", "http://127.0.0.1:8000"),
+        ("fd00::5", 9000, "fd00::5", "http://[fd00::5]:9000"),
+    ],
+)
+def test_the_plan_says_where_a_probe_on_the_host_reaches_the_api(
+    tmp_path: Path, bind: str, port: Any, probe: str, url: str
+) -> None:
+    api = serving_plan.build(inventory(tmp_path, sparkfleet_api_host=bind, sparkfleet_api_port=port), "dense")["api"]
+    assert api == {
+        "host": bind,
+        "port": int(port),
+        "served_model_name": "qwen",
+        "probe_host": probe,
+        "url": url,
+        "health_url": f"{url}/health",
+        "auth": {},
+    }
+
+
+def test_the_plan_names_how_a_client_authenticates_but_never_holds_the_key(tmp_path: Path) -> None:
+    secret = "sk-plan-test-0123456789"
+    plan = serving_plan.build(inventory(tmp_path, sparkfleet_api_key=secret), "dflash")
+    assert plan["api"]["auth"] == {"header": "Authorization", "scheme": "Bearer", "key": "sparkfleet_api_key"}
+    assert secret not in json.dumps(plan)
+
+
+@pytest.mark.parametrize("port", ["http", "0", "70000", "-1"])
+def test_a_bad_api_port_is_one_line_naming_it(tmp_path: Path, port: str) -> None:
+    with pytest.raises(serving_plan.PlanError, match=rf"sparkfleet_api_port '{port}' is not a TCP port: give a number"):
+        serving_plan.build(inventory(tmp_path, sparkfleet_api_port=port), "dense")

@@ -1,6 +1,6 @@
 """sparkfleet.serving.serving_state: the schema of a host's state.json and what plays derive from it (the
 probe address of a bind address, the probe URL, each served model's revision), against the record the
-vllm_service role writes (its __vllm_service_state, rendered with Ansible's own templating)."""
+vllm_service role writes (its __vllm_service_spec.state, rendered with Ansible's own templating)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def written(**overrides: Any) -> dict[str, Any]:
         "vllm_service_drafter_path": "/var/lib/sparkfleet/models/tiny-dflash",
         "vllm_service_model_revisions": {"tiny": TARGET_REV, "tiny-dflash": DRAFTER_REV},
     }
-    record = expression("__vllm_service_state", **{**speculative, **overrides})
+    record = expression("__vllm_service_spec.state", **{**speculative, **overrides})
     return json.loads(json.dumps(record))
 
 
@@ -41,9 +41,8 @@ def test_what_the_role_writes_passes_the_schema_and_names_its_revisions() -> Non
 @pytest.mark.parametrize(
     ("bind", "probe", "url"),
     [
-        ("0.0.0.0", "127.0.0.1", "http://127.0.0.1:8123"),
-        ("::", "127.0.0.1", "http://127.0.0.1:8123"),
-        ("", "127.0.0.1", "http://127.0.0.1:8123"),
+        # a wildcard (or no) bind address is probed on the loopback
+        *((wildcard, "127.0.0.1", "http://127.0.0.1:8123") for wildcard in ("0.0.0.0", "::", "")),
         ("10.0.0.5", "10.0.0.5", "http://10.0.0.5:8123"),
         ("fd00::5", "fd00::5", "http://[fd00::5]:8123"),
     ],
@@ -51,7 +50,7 @@ def test_what_the_role_writes_passes_the_schema_and_names_its_revisions() -> Non
 def test_a_bind_address_gives_the_probe_address(bind: str, probe: str, url: str) -> None:
     view = serving_state.view(serving_state.check({**written(), "host": bind, "port": "8123"}, "h"))
     assert view["probe"] == {"host": probe, "port": 8123, "url": url}
-    assert expression("__vllm_service_probe_host", vllm_service_host=bind) == probe
+    assert expression("__vllm_service_spec.probe_host", vllm_service_host=bind) == probe
 
 
 def test_a_profile_without_drafter_has_no_drafter_revision() -> None:

@@ -198,14 +198,46 @@ def test_the_memory_limit_reaches_the_cgroup_and_the_guard(memory_max: str, expe
 
 def test_auto_leaves_the_configured_reserve() -> None:
     limit = expression(
-        "__vllm_service_memory_max_bytes", ansible_facts={"memtotal_mb": 24_105}, vllm_service_memory_reserve_mib=4096
+        "__vllm_service_spec.memory.max_bytes",
+        ansible_facts={"memtotal_mb": 24_105},
+        vllm_service_memory_reserve_mib=4096,
     )
     assert int(limit) == (24_105 - 4096) * 2**20
 
 
-@pytest.mark.parametrize("bad", ["lots", "12 GB", "-5G", "1.5G"])
-def test_an_unreadable_memory_limit_is_flagged_for_preflight(bad: str) -> None:
-    assert int(expression("__vllm_service_memory_max_bytes", vllm_service_memory_max=bad)) == -1
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"vllm_service_memory_max": "lots"},
+        {"vllm_service_memory_max": "12 GB"},
+        {"vllm_service_memory_max": "-5G"},
+        {"vllm_service_memory_max": "1.5G"},
+        {"vllm_service_memory_max": "0"},
+        {"vllm_service_memory_reserve_mib": 200_000},  # auto: MemTotal below the reserve
+        {"vllm_service_memory_reserve_mib": "8G"},
+        {"vllm_service_memory_floor_mib": -1},
+        {"ansible_facts": {}},  # auto without gathered facts
+    ],
+)
+def test_an_unusable_memory_setting_is_one_line_for_preflight(settings: dict[str, Any]) -> None:
+    errors = expression("__vllm_service_spec.errors", **settings)
+    assert len(errors) == 1 and "\n" not in errors[0], errors
+    assert errors[0].startswith(f"vllm_service_memory_max {settings.get('vllm_service_memory_max', 'auto')} ")
+    assert 'give "auto"' in errors[0]
+
+
+@pytest.mark.parametrize("enforcers", ["kernel", ["kernel", "cgroup"], [None]])
+def test_unknown_memory_enforcers_are_refused(enforcers: Any) -> None:
+    errors = expression("__vllm_service_spec.errors", vllm_service_memory_enforcers=enforcers)
+    assert errors == [
+        f"vllm_service_memory_enforcers {enforcers} is not a list of kernel and guard: give [kernel, guard] "
+        "(the default), [kernel], [guard] or [] (no limit enforced)."
+    ]
+
+
+def test_good_memory_settings_have_no_errors() -> None:
+    for settings in ({}, {"vllm_service_memory_max": "infinity"}, {"vllm_service_memory_enforcers": []}):
+        assert expression("__vllm_service_spec.errors", **settings) == []
 
 
 def test_hardening_directives_are_there() -> None:

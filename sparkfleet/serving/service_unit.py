@@ -1,0 +1,204 @@
+"""The serving unit of one profile on one host, worked out in one place.
+
+``spec`` turns the vllm_service role's inputs (the serving plan's parts: sparkfleet_plan) into every
+value its unit file and state.json hold: the unit's name and the units it conflicts with, the
+``ExecStart=`` command line (sparkfleet-memory-guard with its limits, then ``vllm serve``), the
+environment, the limit each memory enforcer applies, the health URL the unit and its handlers poll,
+the secrets file, and the state record (sparkfleet.serving.serving_state's schema). The role calls it
+once (the ``sparkfleet_unit_spec`` filter, roles/vllm_service/vars/main.yml); the unit template
+renders its fields. Its ``errors`` are the settings it cannot use, one line each with the fix (the
+role's preflight refuses them before anything changes).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sparkfleet.serving import profiles, serving_state
+
+MIB = 1024 * 1024
+# vllm_service_memory_max's size suffixes (1024-based)
+SIZE_UNITS = {"": 1, "K": 1024, "M": MIB, "G": 1024 * MIB, "T": 1024 * 1024 * MIB}
+SIZE = re.compile(r"^([0-9]+)([KMGT]?)$")
+NO_LIMIT = ("infinity", "")
+ENFORCERS = ("kernel", "guard")
+MEMORY_GUARD = "sparkfleet-memory-guard"
+HOST_LOCK = "sparkfleet-host-lock"
+# bind addresses only this host reaches (anything else needs an API key, and gets IPAddressAllow=)
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+# the unit starts this much after the server's own start timeout runs out (its ExecStartPost waits that long)
+START_TIMEOUT_MARGIN_S = 30
+
+# The role's inputs spec() reads (roles/vllm_service/meta/argument_specs.yml documents each).
+INPUTS = (
+    "profile",
+    "other_profiles",
+    "venv",
+    "vllm_version",
+    "patchset_id",
+    "model_path",
+    "drafter_path",
+    "model_revisions",
+    "served_model_name",
+    "host",
+    "port",
+    "allowed_clients",
+    "firewall_unit",
+    "start_timeout",
+    "extra_directives",
+    "cache_dir",
+    "config_dir",
+    "libexec_dir",
+    "memory_max",
+    "memory_enforcers",
+    "memory_reserve_mib",
+    "memory_floor_mib",
+    "memtotal_mb",
+)
+
+
+class SpecError(ValueError):
+    """Inputs the unit cannot be built from (a missing input, not a bad setting: those are ``errors``)."""
+
+
+def _digits(value: Any) -> bool:
+    return not isinstance(value, bool) and bool(re.fullmatch(r"[0-9]+", str(value)))
+
+
+def memory_max_bytes(memory_max: Any, memtotal_mb: Any, reserve_mib: Any) -> int:
+    """vllm_service_memory_max in bytes: 0 for no limit, -1 for a value that is not a size.
+
+    ``auto`` is MemTotal less the reserve (negative when the reserve is larger: refused by ``memory``)."""
+    text = "" if memory_max is None else str(memory_max)
+    if text in NO_LIMIT:
+        return 0
+    if text == "auto":
+        reserve = int(reserve_mib) if _digits(reserve_mib) else 0
+        return (int(memtotal_mb) - reserve) * MIB if memtotal_mb not in (None, "") else -1
+    match = SIZE.match(text.upper())
+    return int(match.group(1)) * SIZE_UNITS[match.group(2)] if match else -1
+
+
+def memory(inputs: Mapping[str, Any]) -> tuple[dict[str, int], list[str]]:
+    """The limit each enforcer applies (0 = none), and what is wrong with the settings."""
+    setting, reserve, floor = inputs["memory_max"], inputs["memory_reserve_mib"], inputs["memory_floor_mib"]
+    enforcers = inputs["memory_enforcers"]
+    max_bytes = memory_max_bytes(setting, inputs.get("memtotal_mb"), reserve)
+    errors = []
+    unusable = (
+        (setting == "auto" and inputs.get("memtotal_mb") in (None, ""))
+        or max_bytes < 0
+        or (setting != "auto" and str(setting) not in NO_LIMIT and max_bytes <= 0)
+        or not _digits(reserve)
+        or not _digits(floor)
+    )
+    if unusable:
+        errors.append(
+            f"vllm_service_memory_max {setting} (reserve {reserve} MiB, floor {floor} MiB) is not usable: give "
+            '"auto" (needs gathered facts and MemTotal above the reserve), "infinity", or a size such as 100G; '
+            "the reserve and the floor are whole MiB."
+        )
+    if isinstance(enforcers, str) or not isinstance(enforcers, Sequence) or set(enforcers) - set(ENFORCERS):
+        errors.append(
+            f"vllm_service_memory_enforcers {enforcers} is not a list of kernel and guard: give [kernel, guard] "
+            "(the default), [kernel], [guard] or [] (no limit enforced)."
+        )
+        enforcers = []
+    max_bytes = max(max_bytes, 0)
+    return {
+        "max_bytes": max_bytes,
+        "kernel_bytes": max_bytes if "kernel" in enforcers else 0,
+        "guard_bytes": max_bytes if "guard" in enforcers else 0,
+        "floor_bytes": (int(floor) if _digits(floor) else 0) * MIB,
+    }, errors
+
+
+def _by_key(item: tuple[str, Any]) -> str:
+    """Keys in the order Jinja's dictsort gives (case-insensitive), so the unit reads as before."""
+    return str(item[0]).lower()
+
+
+def environment(env: Mapping[str, Any]) -> list[str]:
+    """The unit's Environment= values: each KEY=value JSON-quoted (systemd reads C-style quoting), by key."""
+    return [json.dumps(f"{key}={value}") for key, value in sorted(env.items(), key=_by_key)]
+
+
+def directives(extra: Mapping[str, Any]) -> list[str]:
+    """vllm_service_extra_directives as unit lines, by key: a list value gives one line per item."""
+    return [
+        f"{key}={one}"
+        for key, value in sorted(extra.items(), key=_by_key)
+        for one in (value if isinstance(value, Sequence) and not isinstance(value, str) else [value])
+    ]
+
+
+def spec(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Everything the unit file and state.json of ``inputs['profile']`` hold (the module docstring)."""
+    missing = [key for key in INPUTS if key not in inputs and key != "memtotal_mb"]
+    if missing:
+        raise SpecError(f"the serving unit needs {', '.join(missing)}: run the role through playbooks/deploy.yml")
+    profile = inputs["profile"]
+    name = str(profile["name"])
+    limits, errors = memory(inputs)
+    libexec = str(inputs["libexec_dir"])
+    drafter_path = str(inputs["drafter_path"] or "")
+    vllm = profiles.vllm_argv(
+        profile,
+        venv=inputs["venv"],
+        model_path=inputs["model_path"],
+        drafter_path=drafter_path,
+        served_model_name=inputs["served_model_name"],
+        host=inputs["host"],
+        port=inputs["port"],
+    )
+    argv = [f"{libexec}/{MEMORY_GUARD}", str(limits["guard_bytes"]), str(limits["floor_bytes"]), "--", *vllm]
+    unit = serving_state.unit_name(name)
+    env = profiles.service_env(profile, cache_dir=inputs["cache_dir"], patchset_id=str(inputs["patchset_id"]))
+    env_file = f"{inputs['config_dir']}/vllm-{name}.env"
+    port = int(inputs["port"])
+    state = {
+        "profile": name,
+        # the resolved profile, so a rollback can re-render this exact unit
+        "profile_spec": dict(profile),
+        "unit": unit,
+        # what every restart of the unit goes through (ops restart reads it from here)
+        "host_lock": f"{libexec}/{HOST_LOCK}",
+        # root's 0600 file with the API key (VLLM_API_KEY=): bench clients and ops status read the key there
+        "secrets_file": env_file,
+        "vllm_version": str(inputs["vllm_version"]),
+        "patchset_id": str(inputs["patchset_id"]),
+        "venv": str(inputs["venv"]),
+        "model_path": str(inputs["model_path"]),
+        "drafter_path": drafter_path,
+        "model_revisions": dict(inputs["model_revisions"] or {}),
+        "served_model_name": str(inputs["served_model_name"]),
+        "host": str(inputs["host"]),
+        "port": port,
+    }
+    serving_state.check(state, f"the {name} unit's state")
+    allowed = [str(client) for client in inputs["allowed_clients"] or []]
+    exposed = str(inputs["host"]) not in LOOPBACK
+    return {
+        "unit": unit,
+        "conflicts": [serving_state.unit_name(str(other)) for other in inputs["other_profiles"] if other != name],
+        # the port is open beyond loopback only with the nftables allow-list in place
+        "requires": [str(inputs["firewall_unit"])] if allowed else [],
+        "exposed": exposed,
+        "allowed_from": "loopback and the allowed clients" if allowed else "loopback",
+        "ip_address_allow": ["localhost"] + ([" ".join(allowed) or "any"] if exposed else []),
+        "directives": directives(inputs["extra_directives"] or {}),
+        "timeout_start_s": int(inputs["start_timeout"]) + START_TIMEOUT_MARGIN_S,
+        "argv": argv,
+        "exec_start": profiles.systemd_exec_args(argv),
+        "env": env,
+        "environment": environment(env),
+        "env_file": env_file,
+        "memory": limits,
+        "probe_host": serving_state.probe_host(inputs["host"]),
+        "health_url": f"{serving_state.base_url(inputs['host'], port)}/health",
+        "state": state,
+        "errors": errors,
+    }
