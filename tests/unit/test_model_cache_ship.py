@@ -52,7 +52,12 @@ def _find(paths: list[Path]) -> list[dict]:
     args = json.dumps(
         {"paths": [str(p) for p in paths], "recurse": True, "hidden": True, "file_type": "file", "get_checksum": True}
     )
-    env = {**os.environ, "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.minimal", "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1"}
+    env = {
+        **os.environ,
+        "ANSIBLE_STDOUT_CALLBACK": "ansible.builtin.minimal",
+        "ANSIBLE_LOAD_CALLBACK_PLUGINS": "1",
+        "ANSIBLE_CALLBACK_RESULT_FORMAT": "json",  # the result is parsed below (ansible.cfg says yaml)
+    }
     ansible = Path(sys.executable).with_name("ansible")
     result = subprocess.run(
         [str(ansible), "localhost", "-i", "localhost,", "-c", "local", "-m", "ansible.builtin.find", "-a", args,
