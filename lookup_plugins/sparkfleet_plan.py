@@ -43,13 +43,9 @@ _raw:
 
 class LookupModule(LookupBase):
     def run(self, terms: list[Any], variables: dict[str, Any] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
-        if len(terms) != 1:
-            raise AnsibleLookupError(f"sparkfleet_plan takes one profile name, got {terms!r}")
-        variables = variables or {}
-        known = {name: self._templar.template(variables[name]) for name in serving_plan.VARIABLES if name in variables}
-        if "sparkfleet_profiles_builtin" not in known:
-            raise AnsibleLookupError("sparkfleet_profiles_builtin is not defined: is inventory/group_vars/all linked?")
         try:
-            return [serving_plan.build(known, str(terms[0]))]
+            return serving_plan.from_lookup(
+                "sparkfleet_plan", terms, variables, serving_plan.VARIABLES, self._templar.template, serving_plan.build
+            )
         except (profiles.ProfileError, serving_plan.PlanError) as exc:
             raise AnsibleLookupError(str(exc)) from exc

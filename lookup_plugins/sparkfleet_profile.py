@@ -13,7 +13,7 @@ from ansible.errors import AnsibleLookupError
 from ansible.plugins.lookup import LookupBase
 
 # sparkfleet is installed in the controller venv (make venv), where ansible-playbook runs
-from sparkfleet.serving import profiles
+from sparkfleet.serving import profiles, serving_plan
 
 DOCUMENTATION = r"""
 name: sparkfleet_profile
@@ -47,13 +47,9 @@ VARIABLES = ("sparkfleet_profiles_builtin", "sparkfleet_profiles_site", *profile
 
 class LookupModule(LookupBase):
     def run(self, terms: list[Any], variables: dict[str, Any] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
-        if len(terms) != 1:
-            raise AnsibleLookupError(f"sparkfleet_profile takes one profile name, got {terms!r}")
-        variables = variables or {}
-        layers = {name: self._templar.template(variables[name]) for name in VARIABLES if name in variables}
-        if "sparkfleet_profiles_builtin" not in layers:
-            raise AnsibleLookupError("sparkfleet_profiles_builtin is not defined: is inventory/group_vars/all linked?")
         try:
-            return [profiles.resolve_from(layers, str(terms[0]))]
-        except profiles.ProfileError as exc:
+            return serving_plan.from_lookup(
+                "sparkfleet_profile", terms, variables, VARIABLES, self._templar.template, profiles.resolve_from
+            )
+        except (profiles.ProfileError, serving_plan.PlanError) as exc:
             raise AnsibleLookupError(str(exc)) from exc

@@ -594,14 +594,11 @@ def short_revision(revision: Any) -> str:
 
 def served_revisions(state: dict[str, Any]) -> tuple[str, str]:
     """(model, drafter) as ``name@revision`` from state.json; a path's last part names its model."""
-    revisions = state.get("model_revisions") or {}
 
     def one(path_key: str) -> str:
-        path = str(state.get(path_key) or "")
-        if not path:
-            return "-"
-        name = PurePosixPath(path).name
-        return f"{name}@{short_revision(revisions.get(name))}" if name in revisions else name
+        name = PurePosixPath(str(state.get(path_key) or "")).name
+        revision = serving_state.revision_of(state, path_key)
+        return (f"{name}@{short_revision(revision)}" if revision else name) or "-"
 
     return one("model_path"), one("drafter_path")
 

@@ -24,7 +24,7 @@ these parts by sparkfleet.serving.service_unit.spec, which the vllm_service role
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,25 @@ VARIABLES = (
 
 class PlanError(ValueError):
     """Inventory variables a plan cannot be built from."""
+
+
+def from_lookup(
+    lookup: str,
+    terms: list[Any],
+    variables: Mapping[str, Any] | None,
+    names: tuple[str, ...],
+    template: Callable[[Any], Any],
+    build: Callable[[dict[str, Any], str], Any],
+) -> list[Any]:
+    """What the sparkfleet_plan and sparkfleet_profile lookups do: one profile name, the variables in
+    ``names`` templated (``template``: the lookup's templar), ``build`` over them. Raises PlanError or
+    profiles.ProfileError with one line."""
+    if len(terms) != 1:
+        raise PlanError(f"{lookup} takes one profile name, got {terms!r}")
+    known = {name: template(variables[name]) for name in names if name in (variables or {})}
+    if "sparkfleet_profiles_builtin" not in known:
+        raise PlanError("sparkfleet_profiles_builtin is not defined: is inventory/group_vars/all linked?")
+    return [build(known, str(terms[0]))]
 
 
 def read_manifest(path: str) -> dict[str, Any]:

@@ -107,3 +107,24 @@ def test_the_plan_names_how_a_client_authenticates_but_never_holds_the_key(tmp_p
 def test_a_bad_api_port_is_one_line_naming_it(tmp_path: Path, port: str) -> None:
     with pytest.raises(serving_plan.PlanError, match=rf"sparkfleet_api_port '{port}' is not a TCP port: give a number"):
         serving_plan.build(inventory(tmp_path, sparkfleet_api_port=port), "dense")
+
+
+def test_both_lookups_take_one_profile_name_and_need_the_shared_group_vars(tmp_path: Path) -> None:
+    def fail(**_: Any) -> None:
+        raise AssertionError("build must not run")
+
+    for terms in ([], ["dense", "base"]):
+        with pytest.raises(serving_plan.PlanError, match=r"sparkfleet_plan takes one profile name, got \["):
+            serving_plan.from_lookup("sparkfleet_plan", terms, {}, serving_plan.VARIABLES, str, fail)
+    with pytest.raises(serving_plan.PlanError, match="sparkfleet_profiles_builtin is not defined: is inventory/group_"):
+        serving_plan.from_lookup("sparkfleet_profile", ["dense"], None, serving_plan.VARIABLES, str, fail)
+    variables = inventory(tmp_path)
+    (plan,) = serving_plan.from_lookup(
+        "sparkfleet_plan",
+        ["dense"],
+        {**variables, "unrelated": 1},
+        serving_plan.VARIABLES,
+        lambda v: v,
+        serving_plan.build,
+    )
+    assert plan == serving_plan.build(variables, "dense")
