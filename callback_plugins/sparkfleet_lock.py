@@ -71,10 +71,7 @@ class CallbackModule(CallbackBase):
     CALLBACK_TYPE = "aggregate"
     CALLBACK_NAME = "sparkfleet_lock"
     CALLBACK_NEEDS_ENABLED = True
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._fd: int | None = None
+    _fd: int | None = None  # the lock's descriptor once taken (an instance attribute from then on)
 
     def v2_playbook_on_start(self, playbook) -> None:
         args = context.CLIARGS

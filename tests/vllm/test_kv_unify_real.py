@@ -95,19 +95,17 @@ class Case:
         return base - salt % (1 << 28)
 
     def plan(self, patched: bool) -> kv_page_plan.KVPlan:
-        return kv_page_plan.plan(
-            self.target,
-            self.drafter,
-            self.num_speculative_tokens,
-            patched,
-            drafter_label=self.drafter_label,
-            kv_cache_dtype=self.kv_cache_dtype,
-            mamba_ssm_cache_dtype=self.mamba_ssm_cache_dtype,
-            platform=self.platform,
-            block_size=self.block_size,
-            enable_prefix_caching=self.enable_prefix_caching,
-            max_model_len=self.max_model_len,
+        keywords = (  # the case's fields named as the planner's options
+            "drafter_label",
+            "kv_cache_dtype",
+            "mamba_ssm_cache_dtype",
+            "platform",
+            "block_size",
+            "enable_prefix_caching",
+            "max_model_len",
         )
+        options = {name: getattr(self, name) for name in keywords}
+        return kv_page_plan.plan(self.target, self.drafter, self.num_speculative_tokens, patched, **options)
 
 
 @dataclass

@@ -333,19 +333,17 @@ def run_serving_command(args: argparse.Namespace) -> int:
         "seed": args.seed,
     }
     result = _new_result("serving", args, server, model, root, revision, settings)
+    # the options run_serving_bench takes under the names of their flags
+    same_named = {name: getattr(args, name) for name in ("tokenizer", "backend", "num_prompts", "output_len", "seed")}
     figures, details, cpu = run_serving_sweep(
         concurrencies=concurrencies,
         base_url=server.base_url,
         model=root or model,
         served_model_name=model,
         dataset_path=args.dataset,
-        tokenizer=args.tokenizer,
-        backend=args.backend,
-        num_prompts=args.num_prompts,
-        output_len=args.output_len,
-        seed=args.seed,
         vllm_command=shlex.split(args.vllm_command) if args.vllm_command else None,
         api_key=server.api_key,
+        **same_named,
     )
     result.update(figures=figures, details=details, client_cpu=cpu)
     return _finish(result, args)

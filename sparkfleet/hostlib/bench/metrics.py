@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -255,14 +255,9 @@ class SpecDecodeWindow:
         return [accepted / self.drafts for accepted in self.accepted_per_position]
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "drafts": self.drafts,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "acceptance_length": self.acceptance_length,
-            "acceptance_rate": self.acceptance_rate,
-            "per_position_acceptance": self.per_position_acceptance,
-        }
+        """The counters (not the raw per-position ones) and the figures made of them."""
+        figures = ("acceptance_length", "acceptance_rate", "per_position_acceptance")
+        return {name: getattr(self, name) for name in ("drafts", "draft_tokens", "accepted_tokens", *figures)}
 
 
 def spec_decode_window(before: MetricsSnapshot, after: MetricsSnapshot) -> SpecDecodeWindow | None:
@@ -310,15 +305,7 @@ class ServerTpotWindow:
         return self.decode_time_s / tokens_after_first
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "requests": self.requests,
-            "request_tpot_mean_s": self.request_tpot_mean_s,
-            "request_tpot_median_s": self.request_tpot_median_s,
-            "inter_token_mean_s": self.inter_token_mean_s,
-            "decode_time_s": self.decode_time_s,
-            "generation_tokens": self.generation_tokens,
-            "token_weighted_tpot_s": self.token_weighted_tpot_s,
-        }
+        return {**asdict(self), "token_weighted_tpot_s": self.token_weighted_tpot_s}
 
 
 def server_tpot_window(before: MetricsSnapshot, after: MetricsSnapshot) -> ServerTpotWindow | None:

@@ -41,7 +41,7 @@ import datetime
 import json
 import math
 import socket
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -188,13 +188,7 @@ class Check:
     reason: str
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "figure": self.figure,
-            "baseline": self.baseline,
-            "measured": self.measured,
-            "passed": self.passed,
-            "reason": self.reason,
-        }
+        return asdict(self)
 
 
 def compare_figure(figure: str, measured: float | None, baseline: float, tolerance_pct: float) -> Check:
