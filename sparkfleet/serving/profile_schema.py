@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import functools
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sparkfleet.build import wheel_build
@@ -55,17 +55,21 @@ def patch_names() -> list[str]:
     return [re.sub(r"^\d{4}-", "", patch.name) for patch in series.patches]
 
 
-def _check_mapping(where: str, value: Any) -> str | None:
-    if not isinstance(value, Mapping):
-        return f"{where} must be a mapping, got {_type_name(value)} {value!r}"
-    return None
+def _of_mapping(check: Callable[[str, Mapping[str, Any]], list[str]]) -> Callable[[str, Any], list[str]]:
+    """``check`` for a value that must be a mapping: anything else is its one problem."""
+
+    @functools.wraps(check)
+    def checked(where: str, value: Any) -> list[str]:
+        if not isinstance(value, Mapping):
+            return [f"{where} must be a mapping, got {_type_name(value)} {value!r}"]
+        return check(where, value)
+
+    return checked
 
 
+@_of_mapping
 def serve_arg_problems(where: str, args: Any) -> list[str]:
     """Problems of one layer of serve arguments ({flag: value}); ``where`` names the layer."""
-    bad = _check_mapping(where, args)
-    if bad:
-        return [bad]
     flags = vllm_schema.load()["serve_flags"]
     found: list[str] = []
     for flag, value in args.items():
@@ -118,11 +122,11 @@ def _parses_float(value: Any) -> bool:
 
 
 def speculative_problems(where: str, spec: Any) -> list[str]:
-    if spec is None:
-        return []
-    bad = _check_mapping(where, spec)
-    if bad:
-        return [bad]
+    return [] if spec is None else _speculative_problems(where, spec)
+
+
+@_of_mapping
+def _speculative_problems(where: str, spec: Mapping[str, Any]) -> list[str]:
     fields = vllm_schema.load()["speculative"]
     valid = {name for name, field in fields.items() if not field.get("internal")} - set(OWNED_SPECULATIVE)
     found: list[str] = []
@@ -161,20 +165,16 @@ def speculative_problems(where: str, spec: Any) -> list[str]:
     return found
 
 
+@_of_mapping
 def _numbers(where: str, value: Any) -> list[str]:
-    bad = _check_mapping(where, value)
-    if bad:
-        return [bad]
     return [f"{where}.{k}: must be a number, got {v!r}" for k, v in value.items() if not _is_number(v)]
 
 
 HEALTH_KEYS = ["min_acceptance_length", "tool_call_expect_name"]
 
 
+@_of_mapping
 def _health(where: str, value: Any) -> list[str]:
-    bad = _check_mapping(where, value)
-    if bad:
-        return [bad]
     found = []
     for key, item in value.items():
         at = f"{where}.{key}"
@@ -189,10 +189,8 @@ def _health(where: str, value: Any) -> list[str]:
     return found
 
 
+@_of_mapping
 def env_problems(where: str, value: Any) -> list[str]:
-    bad = _check_mapping(where, value)
-    if bad:
-        return [bad]
     found = []
     for key, item in value.items():
         if not ENV_NAME.fullmatch(str(key)):
