@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import functools
 import hashlib
 import json
 import os
@@ -588,38 +589,49 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     model_pins.add_parser(actions)
 
 
+def _command(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``run`` as a CLI action: a HubCacheError is one line on stderr and exit code 1."""
+
+    @functools.wraps(run)
+    def action(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except HubCacheError as error:
+            print(f"sparkfleet weights: {error}", file=sys.stderr)
+            return 1
+
+    return action
+
+
+@_command
 def run_describe(args: argparse.Namespace) -> int:
-    try:
-        token = _read_token(args, sys.stdin)
-        manifest = describe(args.repo, args.revision, endpoint=args.endpoint, token=token,
-                            allow_patterns=args.allow_patterns)  # fmt: skip
-        seed = SeedCache(args.seed_dir)
-        snapshot = seed.snapshot(manifest)
-        missing = [e for e in manifest.files if not (snapshot / e.path).is_file()]
-        need = sum(e.size for e in missing)
-        if need:
-            check_free_space(args.seed_dir, need, f"{args.repo}@{args.revision[:12]} ({len(missing)} files)")
-        previous = manifest_path(args.seed_dir, manifest.repo, manifest.revision)
-        # keep the verified sha256 of a previous complete fetch; describe alone never downgrades it
-        if previous.is_file():
-            old = {f.path: f for f in load_manifest(previous).files}
-            manifest = Manifest(
-                manifest.repo,
-                manifest.revision,
-                tuple(
-                    ManifestFile(
-                        f.path, f.size, f.sha256 or getattr(old.get(f.path), "sha256", None), f.git_blob_id, f.lfs
-                    )  # fmt: skip
-                    for f in manifest.files
-                ),
-                manifest.allow_patterns,
-            )
-        path = seed.write_manifest(manifest)
-        records = seed.load_records(manifest)
-        complete = all(seed.still_verified(manifest, e, records) for e in manifest.files)
-    except HubCacheError as error:
-        print(f"sparkfleet weights: {error}", file=sys.stderr)
-        return 1
+    token = _read_token(args, sys.stdin)
+    manifest = describe(args.repo, args.revision, endpoint=args.endpoint, token=token,
+                        allow_patterns=args.allow_patterns)  # fmt: skip
+    seed = SeedCache(args.seed_dir)
+    snapshot = seed.snapshot(manifest)
+    missing = [e for e in manifest.files if not (snapshot / e.path).is_file()]
+    need = sum(e.size for e in missing)
+    if need:
+        check_free_space(args.seed_dir, need, f"{args.repo}@{args.revision[:12]} ({len(missing)} files)")
+    previous = manifest_path(args.seed_dir, manifest.repo, manifest.revision)
+    # keep the verified sha256 of a previous complete fetch; describe alone never downgrades it
+    if previous.is_file():
+        old = {f.path: f for f in load_manifest(previous).files}
+        manifest = Manifest(
+            manifest.repo,
+            manifest.revision,
+            tuple(
+                ManifestFile(
+                    f.path, f.size, f.sha256 or getattr(old.get(f.path), "sha256", None), f.git_blob_id, f.lfs
+                )  # fmt: skip
+                for f in manifest.files
+            ),
+            manifest.allow_patterns,
+        )
+    path = seed.write_manifest(manifest)
+    records = seed.load_records(manifest)
+    complete = all(seed.still_verified(manifest, e, records) for e in manifest.files)
     sizes = {f.path: f.size for f in manifest.files}
     result = {
         "repo": manifest.repo,
@@ -646,35 +658,29 @@ def run_describe(args: argparse.Namespace) -> int:
     return 0
 
 
+@_command
 def run_fetch(args: argparse.Namespace) -> int:
-    try:
-        token = _read_token(args, sys.stdin)
-        manifest = load_manifest(args.manifest)
-        report = fetch(
-            manifest,
-            args.seed_dir,
-            endpoint=args.endpoint,
-            token=token,
-            only=args.files,
-            progress=(
-                (lambda line: print(f"progress: {line}", flush=True))
-                if args.progress
-                else (lambda line: print(line, file=sys.stderr, flush=True))
-            ),
-        )
-    except HubCacheError as error:
-        print(f"sparkfleet weights: {error}", file=sys.stderr)
-        return 1
+    token = _read_token(args, sys.stdin)
+    manifest = load_manifest(args.manifest)
+    report = fetch(
+        manifest,
+        args.seed_dir,
+        endpoint=args.endpoint,
+        token=token,
+        only=args.files,
+        progress=(
+            (lambda line: print(f"progress: {line}", flush=True))
+            if args.progress
+            else (lambda line: print(line, file=sys.stderr, flush=True))
+        ),
+    )
     print(json.dumps(asdict(report)) if args.json else report.line())
     return 0
 
 
+@_command
 def run_verify(args: argparse.Namespace) -> int:
-    try:
-        manifest = load_manifest(args.manifest)
-    except HubCacheError as error:
-        print(f"sparkfleet weights: {error}", file=sys.stderr)
-        return 1
+    manifest = load_manifest(args.manifest)
     problems = verify_directory(manifest, args.dir)
     for problem in problems:
         print(f"{args.dir}: {problem}", file=sys.stderr)
@@ -685,13 +691,10 @@ def run_verify(args: argparse.Namespace) -> int:
     return 0 if not problems else 1
 
 
+@_command
 def run_manifest(args: argparse.Namespace) -> int:
-    try:
-        manifest = describe_directory(args.dir, args.name, args.revision, args.seed_dir)
-        path = SeedCache(args.seed_dir).write_manifest(manifest)
-    except HubCacheError as error:
-        print(f"sparkfleet weights: {error}", file=sys.stderr)
-        return 1
+    manifest = describe_directory(args.dir, args.name, args.revision, args.seed_dir)
+    path = SeedCache(args.seed_dir).write_manifest(manifest)
     result = {
         "manifest": str(path),
         "snapshot": str(args.dir),

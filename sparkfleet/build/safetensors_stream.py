@@ -56,22 +56,28 @@ class SafetensorsError(ValueError):
 
 
 @dataclass(frozen=True)
-class TensorInfo:
-    """One tensor of a shard: dtype, shape and its absolute byte range in the file."""
+class TensorSpec:
+    """What a shard's header says of a tensor, read or to write: its name, dtype and shape."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class TensorInfo(TensorSpec):
+    """One tensor of a shard: dtype, shape and its absolute byte range in the file."""
+
     start: int
     end: int
 
     @property
     def nbytes(self) -> int:
         return self.end - self.start
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 @dataclass
@@ -182,17 +188,14 @@ class ByteRange:
 
 
 @dataclass(frozen=True)
-class ShardEntry:
+class ShardEntry(TensorSpec):
     """One tensor of a shard to write: its data is a ``ByteRange`` or a callable returning the bytes."""
 
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
     data: ByteRange | Callable[[], bytes]
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+        return self.numel * DTYPE_SIZES[self.dtype]
 
 
 @dataclass(frozen=True)

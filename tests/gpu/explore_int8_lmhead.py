@@ -467,16 +467,13 @@ def main() -> int:
     parser.add_argument("--json", required=True)
     parser.add_argument("--old", help="path of the previous int8_lmhead.py, timed for comparison")
     parser.add_argument("--budget-s", type=float, default=360.0)
-    parser.add_argument(
-        "--exact-only",
-        action="store_true",
-        help="time only the exact path: the old module's (--old) against this one's re-scoring variants",
-    )
-    parser.add_argument("--rescore", action="store_true", help="the re-scoring kernel only (explore10)")
-    parser.add_argument("--trace", action="store_true", help="the re-scoring kernel's timestamps (explore12)")
-    parser.add_argument(
-        "--profile", action="store_true", help="per-kernel profile of the exact path (explore13); --old too"
-    )
+    for mode, text in (  # the modes, each a switch
+        ("--exact-only", "time only the exact path: the old module's (--old) against this one's re-scoring variants"),
+        ("--rescore", "the re-scoring kernel only (explore10)"),
+        ("--trace", "the re-scoring kernel's timestamps (explore12)"),
+        ("--profile", "per-kernel profile of the exact path (explore13); --old too"),
+    ):
+        parser.add_argument(mode, action="store_true", help=text)
     args = parser.parse_args()
 
     import torch
