@@ -337,14 +337,24 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
                 return
             self._error(404, "NotFound", f"no such endpoint: {url_path}", "other", None, None)
 
-        def _model_info(self, repo_id: str, revision: str) -> None:
-            repo = self._repo_or_error(repo_id, "api", None)
+        def _commit_or_error(
+            self, repo_id: str, revision: str, kind: str, path: str | None
+        ) -> tuple[Repo, Revision] | None:
+            """The repo and the commit ``revision`` names in it, or None once the hub's error is sent."""
+            repo = self._repo_or_error(repo_id, kind, path)
             if repo is None:
-                return
+                return None
             commit = repo.resolve(revision)
             if commit is None:
-                self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}", "api", repo_id, None)
+                self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}", kind, repo_id, path)
+                return None
+            return repo, commit
+
+        def _model_info(self, repo_id: str, revision: str) -> None:
+            found = self._commit_or_error(repo_id, revision, "api", None)
+            if found is None:
                 return
+            repo, commit = found
             body = json.dumps(
                 {
                     "_id": hashlib.sha1(repo_id.encode()).hexdigest()[:24],
@@ -366,13 +376,10 @@ def _make_handler(hub: HubDouble) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(body)
 
         def _resolve(self, repo_id: str, revision: str, path: str, head: bool) -> None:
-            repo = self._repo_or_error(repo_id, "file", path)
-            if repo is None:
+            found = self._commit_or_error(repo_id, revision, "file", path)
+            if found is None:
                 return
-            commit = repo.resolve(revision)
-            if commit is None:
-                self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}", "file", repo_id, path)
-                return
+            _, commit = found
             entry = commit.files.get(path)
             if entry is None:
                 self._error(404, "EntryNotFound", f"{path} does not exist at {revision}", "file", repo_id, path)

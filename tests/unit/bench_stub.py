@@ -13,7 +13,10 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
+
+from sparkfleet.hostlib.bench import main as bench_main
 
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0]
 CHARS_PER_TOKEN = 4
@@ -170,6 +173,15 @@ class StubState:
             return "\n".join(lines) + "\n"
 
 
+def send(handler: BaseHTTPRequestHandler, status: int, body: bytes, content_type: str) -> None:
+    """One whole response: the status, its type and length, the body."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -178,11 +190,7 @@ def make_handler(state: StubState) -> type[BaseHTTPRequestHandler]:
             pass
 
         def _send(self, status: int, body: bytes, content_type: str) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send(self, status, body, content_type)
 
         def _refused(self) -> bool:
             if state.api_key is None or not self.path.startswith("/v1"):
@@ -344,6 +352,11 @@ class StubServer:
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}"
+
+    def run_bench(self, method: str, out: Path, *flags: str) -> int:
+        """``sparkfleet.hostlib.bench METHOD`` against this stub, quiet, its result written to ``out``: the exit
+        status."""
+        return bench_main([method, "--base-url", self.base_url, "--quiet", "--out", str(out), *flags])
 
     def __enter__(self) -> StubServer:
         self.thread.start()

@@ -171,18 +171,7 @@ def test_burst_delivery_is_caught_by_the_server_cross_check(tmp_path: Path, caps
     requests = [{"id": f"r{i}", "messages": [{"role": "user", "content": str(i)}], "max_tokens": 21} for i in range(3)]
     workload_file.write_text(json.dumps({"name": "w", "requests": requests}))
     with StubServer(token_gap_s=0.004, prefill_s=0.01, burst=True) as stub:
-        code = bench_main(
-            [
-                "decode",
-                "--base-url",
-                stub.base_url,
-                "--workloads",
-                str(workload_file),
-                "--quiet",
-                "--out",
-                str(tmp_path / "r.json"),
-            ]
-        )
+        code = stub.run_bench("decode", tmp_path / "r.json", "--workloads", str(workload_file))
     assert code == 0
     result = res.load_result(tmp_path / "r.json")
     figures = result["figures"]
@@ -241,39 +230,12 @@ def test_cli_writes_result_and_fails_on_regression(tmp_path: Path, capsys: pytes
         )
     )
     with StubServer(token_gap_s=GAP_S, prefill_s=0.01) as stub:
-        common = [
-            "decode",
-            "--base-url",
-            stub.base_url,
-            "--workloads",
-            str(workload_file),
-            "--quiet",
-            "--profile",
-            "dflash",
-            "--host-label",
-            "spark-test",
-            "--drafter-revision",
-            "b" * 40,
-        ]
-        passing = bench_main(
-            [
-                *common,
-                "--out",
-                str(tmp_path / "ok.json"),
-                "--baselines",
-                '{"decode_tok_s_median": 1.0}',
-                "--tolerance-pct",
-                "5",
-            ]
-        )
-        failing = bench_main(
-            [
-                *common,
-                "--out",
-                str(tmp_path / "bad.json"),
-                "--baselines",
-                '{"decode_tok_s_median[tiny]": 1000000}',
-            ]
+        common = ["--workloads", str(workload_file), "--profile", "dflash", "--host-label", "spark-test"]
+        common += ["--drafter-revision", "b" * 40]
+        ok_baselines = ["--baselines", '{"decode_tok_s_median": 1.0}', "--tolerance-pct", "5"]
+        passing = stub.run_bench("decode", tmp_path / "ok.json", *common, *ok_baselines)
+        failing = stub.run_bench(
+            "decode", tmp_path / "bad.json", *common, "--baselines", '{"decode_tok_s_median[tiny]": 1000000}'
         )
     assert (passing, failing) == (0, 1)
     out = capsys.readouterr().out

@@ -12,7 +12,6 @@ import ast
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from packaging.utils import canonicalize_name
 
 import sparkfleet
 from sparkfleet.build import wheelhouse
+from tests.unit.helpers import run
 
 PACKAGE = Path(sparkfleet.__file__).parent
 HOSTLIB = PACKAGE / "hostlib"
@@ -96,23 +96,8 @@ def test_runs_from_a_copied_directory(tmp_path: Path) -> None:
     # this interpreter's own site-packages (the controller venv has prometheus_client and httpx, as a
     # host's service venv has), no user site, and of this checkout only the copy
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(tmp_path), "PYTHONNOUSERSITE": "1"}
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            RUN_AND_LIST,
-            "e2e",
-            "--base-url",
-            "http://127.0.0.1:1",
-            "--out",
-            str(tmp_path / "r"),
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-        timeout=60,
-    )
+    argv = [sys.executable, "-c", RUN_AND_LIST, "e2e", "--base-url", "http://127.0.0.1:1", "--out", tmp_path / "r"]
+    completed = run(argv, env=env, cwd=tmp_path, timeout=60)
     # it got as far as talking to the (absent) server: imports and workload files all resolved
     assert completed.returncode == 2, completed.stderr
     assert "is a server listening at http://127.0.0.1:1" in completed.stderr

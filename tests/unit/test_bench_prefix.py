@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from sparkfleet.hostlib.bench import main as bench_main
 from sparkfleet.hostlib.bench.e2e import run_e2e_bench
 from sparkfleet.hostlib.bench.http_client import OpenAIServer
 from sparkfleet.hostlib.bench.prefix import Conversation, load_conversations, run_prefix_bench
@@ -73,20 +72,7 @@ def test_cold_twins_carry_a_salt_of_their_own_and_warm_ones_the_run_s(tmp_path: 
 
 def test_the_cli_writes_a_prefix_result(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with StubServer(prefill_s=0.02, token_gap_s=0.0, prefix_caching=True) as stub:
-        code = bench_main(
-            [
-                "prefix",
-                "--base-url",
-                stub.base_url,
-                "--max-tokens-scale",
-                "0.05",
-                "--max-conversations",
-                "2",
-                "--out",
-                str(tmp_path / "p.json"),
-                "--quiet",
-            ]  # fmt: skip
-        )
+        code = stub.run_bench("prefix", tmp_path / "p.json", "--max-tokens-scale", "0.05", "--max-conversations", "2")
     assert code == 0
     result = json.loads((tmp_path / "p.json").read_text())
     assert result["kind"] == "prefix" and result["settings"]["conversations"] == 2

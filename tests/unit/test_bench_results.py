@@ -9,23 +9,11 @@ import pytest
 
 from sparkfleet.hostlib.bench import main as bench_main
 from sparkfleet.hostlib.bench import results as res
+from tests.unit.helpers import bench_result
 
 
 def decode_result(**figures: float | None) -> dict:
-    result = res.new_result(
-        "decode",
-        base_url="http://127.0.0.1:8000",
-        host="spark-01",
-        profile="dflash",
-        patch_set="fc856daa00",
-        served_name="qwen",
-        model_root="/m",
-        model_revision="a" * 40,
-        drafter_revision="b" * 40,
-        vllm_version="0.23.0",
-        settings={},
-        utc_time="2026-06-24T10:00:00Z",
-    )
+    result = bench_result("decode")
     result["figures"] = dict(figures)
     return result
 

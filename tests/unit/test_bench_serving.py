@@ -184,8 +184,6 @@ def test_a_sweep_is_parsed_or_refused_by_name() -> None:
 def test_the_serving_command_sweeps_what_it_is_told(
     flags: list[str], expected: list[int], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sparkfleet.hostlib.bench import main as bench_main
-
     seen: list[list[int]] = []
 
     def fake_sweep(*, concurrencies: list[int], **_kwargs: Any) -> tuple[dict, dict, dict]:
@@ -194,8 +192,7 @@ def test_the_serving_command_sweeps_what_it_is_told(
 
     monkeypatch.setattr(serving, "run_serving_sweep", fake_sweep)
     with StubServer() as stub:
-        out = str(tmp_path / "r.json")
-        code = bench_main(["serving", "--base-url", stub.base_url, "--quiet", "--out", out, *flags])
+        code = stub.run_bench("serving", tmp_path / "r.json", *flags)
     assert code == 0 and seen == [expected]
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["settings"]["concurrencies"] == expected and result["settings"]["max_concurrency"] == expected[-1]

@@ -229,15 +229,20 @@ def test_rerun_is_a_no_op_and_force_rebuilds(tmp_path: Path, ckpts: dict[str, Pa
     assert build_hybrid(options, log=_quiet)["changed"] is True
 
 
-def test_hub_donor_fetches_only_the_needed_shards(
-    tmp_path: Path, ckpts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture()
+def hub_donor(tmp_path: Path, ckpts: dict[str, Path]) -> Path:
+    """The block-FP8 donor with an unrelated shard, to stand behind a hub repo (needs huggingface_hub)."""
     if importlib.util.find_spec("huggingface_hub") is None:
         pytest.skip("huggingface_hub is not installed here")
-    donor = _donor_with_unrelated_shard(tmp_path, ckpts["block"])
+    return _donor_with_unrelated_shard(tmp_path, ckpts["block"])
+
+
+def test_hub_donor_fetches_only_the_needed_shards(
+    tmp_path: Path, ckpts: dict[str, Path], hub_donor: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # An offline HF cache at a pinned commit that lacks the unrelated shard: fetching it would fail.
     files = (INDEX_NAME, "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
-    cache = _offline_snapshot(tmp_path, donor, files, monkeypatch)
+    cache = _offline_snapshot(tmp_path, hub_donor, files, monkeypatch)
     code = cli_main(
         ["checkpoint", "hybrid-fp8", "--base", str(ckpts["none"]), "--out", str(tmp_path / "h"), "--donor",
          "org/fp8", "--donor-revision", HUB_REVISION, "--donor-cache-dir", str(cache), "--no-error-report"]
@@ -333,11 +338,9 @@ def _offline_snapshot(tmp_path: Path, donor: Path, files: tuple[str, ...], monke
 
 
 def test_range_donor_reads_only_headers_and_wanted_tensors(
-    tmp_path: Path, ckpts: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, ckpts: dict[str, Path], hub_donor: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if importlib.util.find_spec("huggingface_hub") is None:
-        pytest.skip("huggingface_hub is not installed here")
-    donor_dir = _donor_with_unrelated_shard(tmp_path, ckpts["block"])
+    donor_dir = hub_donor
     # The cache holds only the index: a whole-shard download would fail offline.
     cache = _offline_snapshot(tmp_path, donor_dir, (INDEX_NAME,), monkeypatch)
     requests: list[tuple[str, int, int]] = []

@@ -419,28 +419,60 @@ def test_every_address_of_the_peer_must_answer() -> None:
 # --- NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_HCA, VLLM_HOST_IP per node --------------------
 
 
-@pytest.mark.parametrize("value", ["enp1s0f0np0", "=enp1s0f0np0", "enp1s0f0n", "^lo,enP,enp1s0f1"])
-def test_nccl_socket_ifname_values_that_select_the_interface_alone(value: str) -> None:
+def on_spark_b(**env: str | None) -> list[str]:
+    """The check's problems when spark-b's environment has ``env`` (None: unset) and spark-a is healthy."""
     a, b = pair()
-    assert check([a, with_env(b, NCCL_SOCKET_IFNAME=value)]) == []
+    return check([a, with_env(b, **env)])
 
 
 @pytest.mark.parametrize(
-    ("value", "selects"),
+    ("variable", "value"),
     [
-        ("en", "enP7s7, enp1s0f0np0, enp1s0f1np1, enP2p1s0f0np0, enP2p1s0f1np1"),
-        ("^lo,docker", "enP7s7, enp1s0f0np0, enp1s0f1np1, enP2p1s0f0np0, enP2p1s0f1np1"),
-        ("enP7s7", "enP7s7"),
-        ("=enp1s0f0", "no interface"),
-        ("enp1s0f0np0,enP2p1s0f0np0", "enp1s0f0np0, enP2p1s0f0np0"),
+        *(("NCCL_SOCKET_IFNAME", value) for value in ("enp1s0f0np0", "=enp1s0f0np0", "enp1s0f0n", "^lo,enP,enp1s0f1")),
+        # both halves of the cabled port
+        ("NCCL_IB_HCA", "rocep1s0f0,roceP2p1s0f0"),
+        ("NCCL_IB_HCA", "=rocep1s0f0,roceP2p1s0f0"),
+        ("NCCL_IB_HCA", "=rocep1s0f0:1,roceP2p1s0f0:1"),
+        ("NCCL_IB_HCA", "^rocep1s0f1,roceP2p1s0f1"),
+        ("NCCL_IB_HCA", "^=rocep1s0f1,roceP2p1s0f1"),
     ],
 )
-def test_nccl_socket_ifname_values_that_do_not(value: str, selects: str) -> None:
-    a, b = pair()
-    assert check([a, with_env(b, NCCL_SOCKET_IFNAME=value)]) == [
-        f"spark-b: NCCL_SOCKET_IFNAME={value!r} selects {selects}, not enp1s0f0np0 alone: "
-        "set NCCL_SOCKET_IFNAME=enp1s0f0np0 and re-run"
-    ]
+def test_nccl_values_that_select_the_link_alone(variable: str, value: str) -> None:
+    assert on_spark_b(**{variable: value}) == []
+
+
+# values that select other devices than the link's: what each selects, by variable
+SELECTS_OTHER = {
+    "NCCL_SOCKET_IFNAME": {
+        "en": "enP7s7, enp1s0f0np0, enp1s0f1np1, enP2p1s0f0np0, enP2p1s0f1np1",
+        "^lo,docker": "enP7s7, enp1s0f0np0, enp1s0f1np1, enP2p1s0f0np0, enP2p1s0f1np1",
+        "enP7s7": "enP7s7",
+        "=enp1s0f0": "no interface",
+        "enp1s0f0np0,enP2p1s0f0np0": "enp1s0f0np0, enP2p1s0f0np0",
+    },
+    "NCCL_IB_HCA": {
+        "roce": "rocep1s0f0 (enp1s0f0np0), rocep1s0f1 (enp1s0f1np1), roceP2p1s0f0 (enP2p1s0f0np0), "
+        "roceP2p1s0f1 (enP2p1s0f1np1)",
+        "rocep1s0f": "rocep1s0f0 (enp1s0f0np0), rocep1s0f1 (enp1s0f1np1)",
+        "=rocep1s0f0": "rocep1s0f0 (enp1s0f0np0)",  # half the port: half the bandwidth
+        "rocep1s0f0:2,roceP2p1s0f0:2": "no RDMA device",
+        "mlx5": "no RDMA device",
+    },
+}
+# what the refusal says after "selects ...,", by variable
+THE_FIX = {
+    "NCCL_SOCKET_IFNAME": "not enp1s0f0np0 alone: set NCCL_SOCKET_IFNAME=enp1s0f0np0 and re-run",
+    "NCCL_IB_HCA": "but enp1s0f0np0's port is rocep1s0f0 (enp1s0f0np0), roceP2p1s0f0 (enP2p1s0f0np0): "
+    "set NCCL_IB_HCA=rocep1s0f0,roceP2p1s0f0 and re-run",
+}
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [(variable, value) for variable, values in SELECTS_OTHER.items() for value in values]
+)
+def test_nccl_values_that_select_other_devices_are_named_with_what_they_select(variable: str, value: str) -> None:
+    selects = SELECTS_OTHER[variable][value]
+    assert on_spark_b(**{variable: value}) == [f"spark-b: {variable}={value!r} selects {selects}, {THE_FIX[variable]}"]
 
 
 @pytest.mark.parametrize("value", [None, "", "e"])
@@ -474,45 +506,7 @@ def test_nccl_socket_ifname_unset_or_too_short_for_nccl(value: str | None) -> No
     ],
 )
 def test_gloo_socket_ifname(value: str | None, problem: str | None) -> None:
-    a, b = pair()
-    assert check([a, with_env(b, GLOO_SOCKET_IFNAME=value)]) == ([problem] if problem else [])
-
-
-@pytest.mark.parametrize(
-    "value",
-    [
-        "rocep1s0f0,roceP2p1s0f0",
-        "=rocep1s0f0,roceP2p1s0f0",
-        "=rocep1s0f0:1,roceP2p1s0f0:1",
-        "^rocep1s0f1,roceP2p1s0f1",
-        "^=rocep1s0f1,roceP2p1s0f1",
-    ],
-)
-def test_nccl_ib_hca_values_that_select_both_halves_of_the_cabled_port(value: str) -> None:
-    a, b = pair()
-    assert check([a, with_env(b, NCCL_IB_HCA=value)]) == []
-
-
-@pytest.mark.parametrize(
-    ("value", "selects"),
-    [
-        (
-            "roce",
-            "rocep1s0f0 (enp1s0f0np0), rocep1s0f1 (enp1s0f1np1), roceP2p1s0f0 (enP2p1s0f0np0), "
-            "roceP2p1s0f1 (enP2p1s0f1np1)",
-        ),
-        ("rocep1s0f", "rocep1s0f0 (enp1s0f0np0), rocep1s0f1 (enp1s0f1np1)"),
-        ("=rocep1s0f0", "rocep1s0f0 (enp1s0f0np0)"),  # half the port: half the bandwidth
-        ("rocep1s0f0:2,roceP2p1s0f0:2", "no RDMA device"),
-        ("mlx5", "no RDMA device"),
-    ],
-)
-def test_nccl_ib_hca_values_that_do_not(value: str, selects: str) -> None:
-    a, b = pair()
-    assert check([a, with_env(b, NCCL_IB_HCA=value)]) == [
-        f"spark-b: NCCL_IB_HCA={value!r} selects {selects}, but enp1s0f0np0's port is rocep1s0f0 (enp1s0f0np0), "
-        "roceP2p1s0f0 (enP2p1s0f0np0): set NCCL_IB_HCA=rocep1s0f0,roceP2p1s0f0 and re-run"
-    ]
+    assert on_spark_b(GLOO_SOCKET_IFNAME=value) == ([problem] if problem else [])
 
 
 @pytest.mark.parametrize("value", [None, ""])
@@ -549,8 +543,7 @@ def test_no_rdma_device_on_the_interface() -> None:
     ],
 )
 def test_vllm_host_ip(value: str | None, problem: str) -> None:
-    a, b = pair()
-    assert check([a, with_env(b, VLLM_HOST_IP=value)]) == [problem]
+    assert on_spark_b(VLLM_HOST_IP=value) == [problem]
 
 
 # --- same stack on every node ---------------------------------------------------------------------

@@ -104,15 +104,6 @@ def test_a_cpu_wheel_has_nothing_to_check() -> None:
         ("sm_90a", "9.0", True),
         ("sm_80", "8.9", True),
         ("sm_89", "8.0", False),
-    ],
-)
-def test_sass_runs_by_nvidia_s_rules(code: str, capability: str, runs: bool) -> None:
-    assert ca.sass_runs(code, ca._capability(capability)) is runs
-
-
-@pytest.mark.parametrize(
-    ("code", "capability", "runs"),
-    [
         ("compute_80", "12.1", True),  # PTX JIT-compiles for any newer GPU
         ("compute_120", "12.1", True),
         ("compute_121", "12.0", False),  # never for an older one
@@ -123,8 +114,10 @@ def test_sass_runs_by_nvidia_s_rules(code: str, capability: str, runs: bool) -> 
         ("compute_90", "10.0", True),
     ],
 )
-def test_ptx_runs_by_nvidia_s_rules(code: str, capability: str, runs: bool) -> None:
-    assert ca.ptx_runs(code, ca._capability(capability)) is runs
+def test_sass_and_ptx_run_by_nvidia_s_rules(code: str, capability: str, runs: bool) -> None:
+    """sm_* is a cubin (SASS, ca.sass_runs), compute_* is PTX (ca.ptx_runs)."""
+    runs_on = ca.sass_runs if code.startswith("sm_") else ca.ptx_runs
+    assert runs_on(code, ca._capability(capability)) is runs
 
 
 def test_garbage_and_a_missing_tool_are_named(tmp_path: Path, monkeypatch) -> None:

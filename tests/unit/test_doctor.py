@@ -8,7 +8,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,9 +16,15 @@ import yaml
 
 from sparkfleet.fleet import doctor
 from tests.hub.server import HubDouble
+from tests.unit.helpers import (
+    ROOT,
+    ansible_env,
+    link_shared_group_vars,
+    local_host,
+    needs_ansible_playbook,
+    run_playbook,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 TARGET_REPO = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
 GB10 = {
     "present": True,
@@ -119,18 +124,8 @@ def free_port() -> int:
 
 
 def run_doctor(tmp_path: Path, hub: HubDouble, site: dict, gpu: dict | None = None) -> subprocess.CompletedProcess[str]:
-    inv = tmp_path / "inventory"
-    group_vars = inv / "group_vars" / "all"
-    group_vars.mkdir(parents=True)
-    for name in ("profiles.yml", "sparkfleet.yml"):
-        (group_vars / f"00-{name}").symlink_to(ROOT / "inventory/group_vars/all" / name)
-    (group_vars / "50-site.yml").write_text(yaml.safe_dump({"model_cache_hub_endpoint": hub.endpoint, **site}))
-    host = {
-        "ansible_connection": "local",
-        "ansible_python_interpreter": sys.executable,
-        "ansible_become": False,
-        "sparkfleet_state_dir": str(tmp_path / "state"),
-    }
+    inv = link_shared_group_vars(tmp_path / "inventory", {"model_cache_hub_endpoint": hub.endpoint, **site})
+    host = local_host(ansible_become=False, sparkfleet_state_dir=str(tmp_path / "state"))
     (inv / "hosts.yml").write_text(yaml.safe_dump({"all": {"children": {"spark": {"hosts": {"spark-x": host}}}}}))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -140,25 +135,11 @@ def run_doctor(tmp_path: Path, hub: HubDouble, site: dict, gpu: dict | None = No
     (bin_dir / "systemctl").chmod(0o755)
     gpu_json = tmp_path / "gpu.json"
     gpu_json.write_text(json.dumps(gpu or {}))
-    env = {
-        **os.environ,
-        "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
-        "ANSIBLE_NOCOLOR": "1",
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "SPARKFLEET_TEST_GPU_JSON": str(gpu_json),
-    }
-    return subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", str(inv / "hosts.yml"), str(ROOT / "playbooks/doctor.yml")],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    env = ansible_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SPARKFLEET_TEST_GPU_JSON=str(gpu_json))
+    return run_playbook(inv / "hosts.yml", ROOT / "playbooks/doctor.yml", env=env)
 
 
-@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+@needs_ansible_playbook
 def test_make_doctor_prints_a_row_per_host_and_fails_naming_the_fixes(tmp_path: Path, hub: HubDouble) -> None:
     port = free_port()
     base = {"spark_preflight_allow_non_aarch64": True, "sparkfleet_api_port": port}

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,12 +17,30 @@ import yaml
 from sparkfleet.cli import main as cli_main
 from sparkfleet.serving import model_pins, profiles
 from tests.hub.server import HubDouble
+from tests.unit.helpers import (
+    ROOT,
+    link_shared_group_vars,
+    needs_ansible_playbook,
+    run_playbook,
+    write_hosts,
+    write_play,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 KV = ROOT / "tests/fixtures/kv_configs"
 TARGET_REPO = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
 DRAFTER_REPO = "z-lab/Qwen3.5-122B-A10B-DFlash"
 WEIGHTS = b"\0" * 4096  # never to be fetched by a pin
+# a site profile serving the dflash drafter on a wheel without the patches (so without the KV unify)
+STOCK_PROFILE = {
+    "dflash-stock": {
+        "summary": "dflash on an unpatched wheel",
+        "target": "intel-int4",
+        "drafter": "dflash-drafter",
+        "speculative": {"method": "dflash", "num_speculative_tokens": 12},
+        "patches": [],
+        "serve_args": {},
+    }
+}
 
 
 def files(config_dir: str) -> dict[str, bytes]:
@@ -47,12 +63,7 @@ def shas(hub: HubDouble) -> dict[str, str]:
 
 def inventory(tmp_path: Path, site: dict | None = None, pins: dict | None = None) -> Path:
     """An inventory like inventory/example: the shared group_vars linked, a site file, maybe a pins file."""
-    inv = tmp_path / "prod"
-    group_vars = inv / "group_vars" / "all"
-    group_vars.mkdir(parents=True)
-    for name in ("profiles.yml", "sparkfleet.yml"):
-        (group_vars / f"00-{name}").symlink_to(ROOT / "inventory/group_vars/all" / name)
-    (group_vars / "50-site.yml").write_text(yaml.safe_dump(site or {"sparkfleet_profile": "dflash"}))
+    inv = link_shared_group_vars(tmp_path / "prod", site or {"sparkfleet_profile": "dflash"})
     if pins is not None:
         (inv / model_pins.PINS_FILE).write_text(yaml.safe_dump({model_pins.PINS_VARIABLE: pins}))
     return inv
@@ -124,18 +135,7 @@ def test_a_moved_main_is_reported_and_moved_only_with_update(
 def test_a_drafter_the_stock_wheel_would_refuse_is_refused_before_anything_is_written(
     tmp_path: Path, hub: HubDouble, shas: dict[str, str]
 ) -> None:
-    site = {
-        "sparkfleet_profiles_site": {
-            "dflash-stock": {
-                "summary": "dflash on an unpatched wheel",
-                "target": "intel-int4",
-                "drafter": "dflash-drafter",
-                "speculative": {"method": "dflash", "num_speculative_tokens": 12},
-                "patches": [],
-                "serve_args": {},
-            }
-        }
-    }
+    site = {"sparkfleet_profiles_site": STOCK_PROFILE}
     inv = inventory(tmp_path, site=site, pins={"dflash-drafter": shas["new_drafter"]})
     before = (inv / model_pins.PINS_FILE).read_text()
     with pytest.raises(model_pins.PinError) as refused:
@@ -218,50 +218,22 @@ def test_apply_pins_sets_revisions_and_build_inputs() -> None:
     assert json.dumps(model_pins.apply_pins(models, None), sort_keys=True) == json.dumps(models, sort_keys=True)
 
 
-ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
-
-
 def deploy_kv_check(tmp_path: Path, hub: HubDouble, site: dict, pins: dict) -> subprocess.CompletedProcess[str]:
     """The deploy's own steps on this machine: resolve-profile.yml, kv-plan-inputs.yml (config.json from the
     hub) and spark_preflight's KV plan check, as serve-profile.yml runs them before any host is touched."""
     inv = inventory(tmp_path, site={**site, "model_cache_hub_endpoint": hub.endpoint}, pins=pins)
-    hosts = {
-        "all": {"hosts": {"spark-x": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}
-    }
-    (inv / "hosts.yml").write_text(yaml.safe_dump(hosts))
-    play = [
+    tasks = [
+        {"ansible.builtin.import_tasks": str(ROOT / "playbooks/tasks/resolve-profile.yml")},
+        {"ansible.builtin.import_tasks": str(ROOT / "playbooks/tasks/kv-plan-inputs.yml")},
         {
-            "hosts": "all",
-            "gather_facts": False,
-            "tasks": [
-                {"ansible.builtin.import_tasks": str(ROOT / "playbooks/tasks/resolve-profile.yml")},
-                {"ansible.builtin.import_tasks": str(ROOT / "playbooks/tasks/kv-plan-inputs.yml")},
-                {
-                    "ansible.builtin.include_role": {"name": "spark_preflight", "tasks_from": "kv_plan"},
-                    "vars": {"spark_preflight_kv_plan": "{{ __deploy_kv_plan }}"},
-                },
-            ],
-        }
+            "ansible.builtin.include_role": {"name": "spark_preflight", "tasks_from": "kv_plan"},
+            "vars": {"spark_preflight_kv_plan": "{{ __deploy_kv_plan }}"},
+        },
     ]
-    (tmp_path / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
-    return subprocess.run(
-        [
-            str(ANSIBLE_PLAYBOOK),
-            "-i",
-            str(inv / "hosts.yml"),
-            str(tmp_path / "play.yml"),
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return run_playbook(write_hosts(inv), write_play(tmp_path / "play.yml", tasks))
 
 
-@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+@needs_ansible_playbook
 def test_the_deploy_checks_the_kv_plan_of_hub_models_from_their_config_json_alone(
     tmp_path: Path, hub: HubDouble, shas: dict[str, str]
 ) -> None:
@@ -271,19 +243,7 @@ def test_the_deploy_checks_the_kv_plan_of_hub_models_from_their_config_json_alon
     assert "Assert the drafter's KV pages unify with the target's" in good.stdout
     assert {s.path for s in hub.file_gets()} == {"config.json"}, "no weights fetched"
 
-    stock = {
-        "sparkfleet_profile": "dflash-stock",
-        "sparkfleet_profiles_site": {
-            "dflash-stock": {
-                "summary": "dflash on an unpatched wheel",
-                "target": "intel-int4",
-                "drafter": "dflash-drafter",
-                "speculative": {"method": "dflash", "num_speculative_tokens": 12},
-                "patches": [],
-                "serve_args": {},
-            }
-        },
-    }
+    stock = {"sparkfleet_profile": "dflash-stock", "sparkfleet_profiles_site": STOCK_PROFILE}
     refused = deploy_kv_check(tmp_path / "stock", hub, stock, {**pins, "dflash-drafter": shas["new_drafter"]})
     assert refused.returncode != 0
     assert "cannot share KV pages with the target" in refused.stdout, refused.stdout[-3000:]
@@ -295,7 +255,7 @@ def test_the_deploy_checks_the_kv_plan_of_hub_models_from_their_config_json_alon
     assert patched.returncode == 0, patched.stdout[-3000:]
 
 
-@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+@needs_ansible_playbook
 def test_the_deploy_judges_the_profiles_prefix_caching_before_any_host_is_touched(
     tmp_path: Path, hub: HubDouble, shas: dict[str, str]
 ) -> None:
@@ -320,7 +280,7 @@ def test_the_deploy_judges_the_profiles_prefix_caching_before_any_host_is_touche
     assert roomy.returncode == 0, roomy.stdout[-3000:]
 
 
-@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+@needs_ansible_playbook
 def test_local_models_give_the_kv_check_their_own_config_json_and_fetch_nothing(tmp_path: Path, hub: HubDouble) -> None:
     """The sandbox's shape: target and drafter are local directories (path, no repo)."""
     site = {

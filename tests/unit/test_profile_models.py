@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from sparkfleet.serving import profiles
+from tests.unit.helpers import (
+    ROOT,
+    link_shared_group_vars,
+    needs_ansible_playbook,
+    run_playbook,
+    run_sparkfleet,
+    write_hosts,
+    write_play,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 SHARED = yaml.safe_load((ROOT / "inventory/group_vars/all/profiles.yml").read_text())
 MODELS = SHARED["sparkfleet_models"]
 DRAFTER_PIN = "6c7242c934a9870d7c59c05240bdbb2467cc1394"
 PIN = "0123456789abcdef0123456789abcdef01234567"
-ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 
 
 def resolve(name: str) -> dict:
@@ -96,13 +101,7 @@ def test_missing_ambiguous_and_unpinned_build_models_are_named() -> None:
 
 def test_profile_check_cli_refuses_unpinned_weights_one_line_each(tmp_path: Path) -> None:
     def check(inventory: Path) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "sparkfleet", "profile", "check", "dense", "--inventory", str(inventory)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        return run_sparkfleet("profile", "check", "dense", "--inventory", inventory)
 
     refused = check(ROOT / "inventory/example")
     assert refused.returncode == 2
@@ -116,24 +115,8 @@ def test_profile_check_cli_refuses_unpinned_weights_one_line_each(tmp_path: Path
 def site_inventory(tmp_path: Path, site: dict, host_vars: dict | None = None) -> Path:
     """An inventory of this machine (local connection) with the shared group_vars and ``site`` over them,
     and ``host_vars`` on its one host."""
-    inventory = tmp_path / "inventory"
-    group_vars = inventory / "group_vars" / "all"
-    group_vars.mkdir(parents=True)
-    for name in ("profiles.yml", "sparkfleet.yml"):
-        (group_vars / f"00-{name}").symlink_to(ROOT / "inventory/group_vars/all" / name)
-    (group_vars / "50-site.yml").write_text(yaml.safe_dump(site))
-    hosts = {
-        "all": {
-            "hosts": {
-                "spark-x": {
-                    "ansible_connection": "local",
-                    "ansible_python_interpreter": sys.executable,
-                    **(host_vars or {}),
-                }
-            }
-        }
-    }
-    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
+    inventory = link_shared_group_vars(tmp_path / "inventory", site)
+    write_hosts(inventory, **(host_vars or {}))
     return inventory
 
 
@@ -148,37 +131,18 @@ def run_resolve(
     list) lands in a file."""
     inventory = site_inventory(tmp_path, site, host_vars)
     out = tmp_path / "model_cache_models.json"
-    play = [
+    tasks = [
+        {"ansible.builtin.import_tasks": str(ROOT / "playbooks/tasks/resolve-profile.yml")},
         {
-            "hosts": "all",
-            "gather_facts": False,
-            "tasks": [
-                {"ansible.builtin.import_tasks": str(ROOT / "playbooks/tasks/resolve-profile.yml")},
-                {
-                    "name": "Keep what model_cache gets",
-                    "ansible.builtin.copy": {
-                        "content": "{{ " + keep + " | to_json }}",
-                        "dest": str(out),
-                    },
-                },
-            ],
-        }
+            "name": "Keep what model_cache gets",
+            "ansible.builtin.copy": {"content": "{{ " + keep + " | to_json }}", "dest": str(out)},
+        },
     ]
-    (tmp_path / "play.yml").write_text(yaml.safe_dump(play, sort_keys=False))
-    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"}
-    proc = subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", str(inventory / "hosts.yml"), str(tmp_path / "play.yml"), *extra],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    return proc, out
+    play = write_play(tmp_path / "play.yml", tasks)
+    return run_playbook(inventory / "hosts.yml", play, *extra, timeout=180), out
 
 
-@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+@needs_ansible_playbook
 def test_a_play_resolves_the_profile_with_every_inventory_layer_of_its_host(tmp_path: Path) -> None:
     """The sparkfleet_profile lookup reads every layer (sparkfleet.serving.profiles.LAYER_VARIABLES) from the host's
     variables, extra vars included, as sparkfleet.serving.profiles.resolve_from does."""
@@ -206,7 +170,7 @@ def test_a_play_resolves_the_profile_with_every_inventory_layer_of_its_host(tmp_
     assert unknown.returncode != 0 and "unknown profile 'turbo': valid profiles are" in unknown.stdout
 
 
-@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+@needs_ansible_playbook
 def test_deploy_refuses_unpinned_weights_before_any_change_and_hands_pins_to_model_cache(tmp_path: Path) -> None:
     refused, out = run_resolve(tmp_path / "unpinned", {"sparkfleet_profile": "dense"})
     assert refused.returncode != 0
@@ -221,7 +185,7 @@ def test_deploy_refuses_unpinned_weights_before_any_change_and_hands_pins_to_mod
     assert json.loads(out.read_text()) == profiles.model_cache_entries(resolve("dense"), pinned_models())
 
 
-@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+@needs_ansible_playbook
 @pytest.mark.parametrize("pinned", [False, True])
 def test_templated_model_entries_resolve_with_and_without_pins(tmp_path: Path, pinned: bool) -> None:
     """Ansible hands the pins filter its lazily templated containers (a path built from another variable,

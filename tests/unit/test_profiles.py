@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from sparkfleet.serving import profiles
+from tests.unit.helpers import run_sparkfleet
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = yaml.safe_load((ROOT / "inventory/group_vars/all/profiles.yml").read_text())
@@ -129,21 +128,9 @@ def test_systemd_quoting_round_trips_through_a_shell_like_split() -> None:
 
 
 def test_profile_check_cli_refuses_unknown_profile_in_one_line(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "sparkfleet", "profile", "check", "turbo", "--inventory", "inventory/sandbox"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    proc = run_sparkfleet("profile", "check", "turbo", "--inventory", "inventory/sandbox")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "turbo" in lines[0] and "dflash" in lines[0] and "dense" in lines[0]
-    ok = subprocess.run(
-        [sys.executable, "-m", "sparkfleet", "profile", "check", "dense", "--inventory", "inventory/sandbox"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    ok = run_sparkfleet("profile", "check", "dense", "--inventory", "inventory/sandbox")
     assert ok.returncode == 0, ok.stderr

@@ -185,19 +185,9 @@ def test_a_bad_reference_is_refused_by_name(reference: object, message: str) -> 
 def test_the_report_puts_the_start_beside_the_gb10_reference(tmp_path: Path) -> None:
     from sparkfleet import cli
     from sparkfleet.hostlib.bench import results as res
+    from tests.unit.helpers import bench_result
 
-    result = res.new_result(
-        "decode",
-        base_url="http://h:8000",
-        host="spark-01",
-        profile="dflash",
-        patch_set="sf0",
-        served_name="qwen",
-        model_root=None,
-        model_revision=None,
-        drafter_revision=None,
-        vllm_version="0.23.0",
-        settings={},
+    result = bench_result(
         utc_time="2026-12-03T10:00:00Z",
         startup={"ready_s": 14.2, "kv_pool_tokens": 3456, "max_concurrency": 3.38, "recorded_utc": "2026-12-03T09:58Z"},
         startup_reference={"ready_s": 180, "kv_pool_tokens": 456664, "free_at_ready_gib": 16},

@@ -14,6 +14,7 @@ from sparkfleet import cli
 from sparkfleet.fleet import charts
 from sparkfleet.fleet.report import build_report
 from sparkfleet.hostlib.bench import results as res
+from tests.unit.helpers import bench_result
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -134,20 +135,8 @@ def test_concurrency_sweep_with_one_and_several_points(tmp_path: Path) -> None:
 
 
 def make_result(kind: str, host: str, profile: str, utc: str, figures: dict, details: dict) -> dict:
-    result = res.new_result(
-        kind,
-        base_url="http://h:8000",
-        host=host,
-        profile=profile,
-        patch_set="fc856daa00",
-        served_name="qwen",
-        model_root=None,
-        model_revision="a" * 40,
-        drafter_revision="b" * 40,
-        vllm_version="0.23.0",
-        settings={"num_prompts": 64, "dataset": "sharegpt_small.json", "max_concurrency": 8},
-        utc_time=utc,
-    )
+    settings = {"num_prompts": 64, "dataset": "sharegpt_small.json", "max_concurrency": 8}
+    result = bench_result(kind, host=host, profile=profile, settings=settings, utc_time=utc)
     result.update(figures=figures, details=details, client_cpu={"cpu_s": 1.0, "wall_s": 50.0, "share": 0.02})
     return result
 

@@ -6,46 +6,24 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import pytest
-import yaml
+from tests.unit.helpers import ANSIBLE_PLAYBOOK, ROOT, ansible_env, needs_ansible_playbook, run, write_hosts, write_play
 
-ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
-pytestmark = pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+pytestmark = needs_ansible_playbook
 
 
 def setup(tmp_path: Path) -> tuple[Path, Path, dict[str, str]]:
     inventory = tmp_path / "inventory"
-    inventory.mkdir()
-    hosts = {
-        "all": {"hosts": {"spark-x": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}
+    write_hosts(inventory)
+    task = {
+        "name": "Record when this run changed the host, then hold it",
+        "ansible.builtin.shell": "date +%s.%N >> {{ marks }}/{{ run }} && sleep {{ hold }}",
+        "changed_when": True,
     }
-    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts))
-    play = [
-        {
-            "hosts": "all",
-            "gather_facts": False,
-            "tasks": [
-                {
-                    "name": "Record when this run changed the host, then hold it",
-                    "ansible.builtin.shell": "date +%s.%N >> {{ marks }}/{{ run }} && sleep {{ hold }}",
-                    "changed_when": True,
-                }
-            ],
-        }
-    ]
-    playbook = tmp_path / "change.yml"
-    playbook.write_text(yaml.safe_dump(play, sort_keys=False))
-    env = {
-        **os.environ,
-        "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"),
-        "ANSIBLE_NOCOLOR": "1",
-        "SPARKFLEET_LOCK_DIR": str(tmp_path / "locks"),
-    }
+    playbook = write_play(tmp_path / "change.yml", [task])
+    env = ansible_env(SPARKFLEET_LOCK_DIR=str(tmp_path / "locks"))
     (tmp_path / "marks").mkdir()
     return inventory, playbook, env
 
@@ -73,16 +51,14 @@ def test_a_second_run_refuses_naming_the_holder_and_changes_nothing(tmp_path: Pa
     inventory, playbook, env = setup(tmp_path)
     first = hold_lock(inventory, playbook, tmp_path, env, 30)
     try:
-        second = subprocess.run(command(inventory, playbook, tmp_path, "second", 0), cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        second = run(command(inventory, playbook, tmp_path, "second", 0), env=env, timeout=120)
         assert second.returncode == 3, second.stdout + second.stderr
         out = second.stdout + second.stderr
         assert f"another run holds inventory {inventory / 'hosts.yml'}: pid {first.pid} (" in out, out
         assert "change.yml --limit spark-x, since " in out and "SPARKFLEET_LOCK_WAIT" in out, out
         assert not (tmp_path / "marks" / "second").exists(), "the refused run changed the host"
         # a check-mode run (make drift) changes nothing and takes no lock
-        checked = subprocess.run(command(inventory, playbook, tmp_path, "checked", 0, "--check"), cwd=ROOT,
-                                 env=env, capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+        checked = run(command(inventory, playbook, tmp_path, "checked", 0, "--check"), env=env, timeout=120)
         assert checked.returncode == 0, checked.stdout + checked.stderr
         assert "another run holds" not in checked.stdout + checked.stderr
     finally:
@@ -91,8 +67,7 @@ def test_a_second_run_refuses_naming_the_holder_and_changes_nothing(tmp_path: Pa
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
     # the lock went with the killed run: the next one gets in
-    after = subprocess.run(command(inventory, playbook, tmp_path, "after", 0), cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
+    after = run(command(inventory, playbook, tmp_path, "after", 0), env=env, timeout=120)
     assert after.returncode == 0, after.stdout + after.stderr
     lock_files = list((tmp_path / "locks").iterdir())
     assert len(lock_files) == 1 and oct(lock_files[0].stat().st_mode & 0o777) == "0o600"
@@ -101,9 +76,8 @@ def test_a_second_run_refuses_naming_the_holder_and_changes_nothing(tmp_path: Pa
 def test_with_lock_wait_a_second_run_waits_then_runs(tmp_path: Path) -> None:
     inventory, playbook, env = setup(tmp_path)
     first = hold_lock(inventory, playbook, tmp_path, env, 4)
-    second = subprocess.run(command(inventory, playbook, tmp_path, "second", 0), cwd=ROOT,
-                            env={**env, "SPARKFLEET_LOCK_WAIT": "120"}, capture_output=True, text=True, timeout=180,
-                            check=False)  # fmt: skip
+    second = run(command(inventory, playbook, tmp_path, "second", 0), env={**env, "SPARKFLEET_LOCK_WAIT": "120"},
+                 timeout=180)  # fmt: skip
     first_out, _ = first.communicate(timeout=60)
     assert first.returncode == 0, first_out
     assert second.returncode == 0, second.stdout + second.stderr

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests import conftest as gate
+from tests.unit.helpers import run as run_command
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -38,14 +39,8 @@ def run(tmp_path: Path, allow: str, fail_on_skip: bool) -> subprocess.CompletedP
     env = {k: v for k, v in os.environ.items() if k != "SPARKFLEET_FAIL_ON_SKIP"}
     if fail_on_skip:
         env["SPARKFLEET_FAIL_ON_SKIP"] = "1"
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+    return run_command(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], cwd=tmp_path, env=env, timeout=120
     )
 
 

