@@ -74,19 +74,16 @@ def load_config(path: str | None, what: str) -> dict[str, Any] | None:
     """The JSON object at ``path`` (relative paths from the repo root); None for no path."""
     if path in (None, ""):
         return None
+    from sparkfleet.build import jsonfile  # importable: run() calls this once the planner imported
+
     resolved = Path(path) if Path(path).is_absolute() else REPO_ROOT / path
     try:
-        config = json.loads(resolved.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+        return jsonfile.read_object(resolved)
+    except jsonfile.NotAJsonObject as exc:
         raise AnsibleLookupError(
-            f"spark_kv_plan: {what} {resolved} does not exist on the controller; set "
-            f"spark_preflight_kv_plan.{what} to the model's config.json"
+            f"spark_kv_plan: {what} {resolved} on the controller: {exc}; "
+            f"set spark_preflight_kv_plan.{what} to the model's config.json"
         ) from None
-    except json.JSONDecodeError as exc:
-        raise AnsibleLookupError(f"spark_kv_plan: {what} {resolved} is not JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise AnsibleLookupError(f"spark_kv_plan: {what} {resolved} holds a {type(config).__name__}, not an object")
-    return config
 
 
 def plan_as_dict(plan: Any) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkfleet.build import jsonfile
 from sparkfleet.build.safetensors_stream import (
     DEFAULT_CHUNK_BYTES,
     ByteRange,
@@ -101,14 +102,9 @@ class CheckpointLayout:
 
 def _read_json(path: Path, what: str) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
-    except OSError as error:
-        raise CheckpointError(f"{what} {path}: cannot read ({error.strerror})") from error
-    except json.JSONDecodeError as error:
-        raise CheckpointError(f"{what} {path} is not valid JSON ({error})") from error
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{what} {path} is not a JSON object")
-    return data
+        return jsonfile.read_object(path)
+    except jsonfile.NotAJsonObject as error:
+        raise CheckpointError(f"{what} {path}: {error}") from error
 
 
 def read_index(path: Path) -> dict[str, Any]:

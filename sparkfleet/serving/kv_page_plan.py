@@ -36,6 +36,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from sparkfleet.build import jsonfile
+
 # Bytes per element of the dtype names vLLM accepts for the model, the KV cache and the mamba state.
 DTYPE_BYTES: dict[str, int] = {
     "bfloat16": 2,
@@ -1007,14 +1009,9 @@ def load_config(path: str | Path) -> dict[str, Any]:
     if config_path.is_dir():
         config_path = config_path / "config.json"
     try:
-        data = json.loads(config_path.read_text())
-    except FileNotFoundError:
-        raise KVPlanInputError(f"{config_path}: no such file; pass a config.json or the directory holding it") from None
-    except json.JSONDecodeError as exc:
-        raise KVPlanInputError(f"{config_path}: not valid JSON ({exc}); pass the model's config.json") from None
-    if not isinstance(data, dict):
-        raise KVPlanInputError(f"{config_path}: top level is {type(data).__name__}; a config.json is a JSON object")
-    return data
+        return jsonfile.read_object(config_path)
+    except jsonfile.NotAJsonObject as exc:
+        raise KVPlanInputError(f"{config_path}: {exc}; pass a config.json or the directory holding it") from None
 
 
 def _label_from_path(path: str) -> str:

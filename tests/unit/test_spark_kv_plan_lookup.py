@@ -71,7 +71,7 @@ def test_without_the_planner_the_check_is_unavailable(kv_lookup: Any, monkeypatc
 def test_missing_config_names_the_path_and_the_variable(kv_lookup: Any, tmp_path: Path) -> None:
     with pytest.raises(
         AnsibleLookupError,
-        match=r"drafter_config .*nope/config.json does not exist.*"
+        match=r"drafter_config .*nope/config.json on the controller: no such file; set "
         r"spark_preflight_kv_plan.drafter_config",
     ):
         run(
