@@ -77,7 +77,7 @@ files:
   type: int
   returned: always
 bytes:
-  description: Total bytes of the manifest's files.
+  description: Total bytes of the files in the manifest.
   type: int
   returned: always
 ok:

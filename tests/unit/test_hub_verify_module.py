@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-MODULE = Path(__file__).resolve().parents[2] / "roles" / "model_cache" / "library" / "model_cache_verify.py"
+MODULE = Path(__file__).resolve().parents[2] / "library" / "model_cache_verify.py"
 GROUP = grp.getgrgid(os.getgid()).gr_name
 
 
