@@ -25,12 +25,15 @@ under its final name only when complete. Re-running with the same inputs finds t
 from __future__ import annotations
 
 import argparse
+import bisect
 import hashlib
 import json
+import os
 import re
 import resource
 import shutil
 import sys
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
@@ -47,6 +50,7 @@ from sparkfleet.build.safetensors_stream import (
     ShardHeader,
     TensorInfo,
     copy_file,
+    encode_header,
     header_length,
     parse_header,
     read_header,
@@ -754,9 +758,111 @@ def _updated_config(config: dict[str, Any], plans: dict[str, ModulePlan], source
     return config
 
 
-def build_hybrid(options: BuildOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Write the hybrid checkpoint into options.out; return the manifest (also written as MANIFEST_NAME)."""
+def _shard_extent(header: ShardHeader, entries: list[ShardEntry], rewritten: bool) -> tuple[int, list[int]]:
+    """(bytes, each tensor's end offset) of an output shard: a rewritten one as write_shard lays it out,
+    a copied one as the base shard is."""
+    if not rewritten:
+        return header.file_size, sorted(info.end for info in header.tensors.values())
+    end, ends = len(encode_header(entries, header.metadata or {"format": "pt"})), []
+    for entry in entries:
+        end += entry.nbytes
+        ends.append(end)
+    return end, ends
+
+
+class BuildProgress:
+    """The build's progress as one line in a file (``--progress-file``), for a poll of the build to print
+    (Ansible's, through files/bin/sparkfleet-job-progress): what the build does before it writes, then
+    e.g. ``3/10 shards, 1203 of 2861 tensors, 3.9 GiB of 14.0 GiB written, 202.4 MiB/s``, refreshed every
+    ``interval`` s from the size of the shard being written. The file goes when the build ends; without
+    a path this keeps nothing."""
+
+    def __init__(self, path: Path | None, interval: float = 2.0) -> None:
+        self.path, self.interval = path, interval
+        self.text = "starting"
+        self._shards: list[tuple[int, list[int]]] = []  # per output shard: bytes, tensor end offsets
+        self._written = 0  # shards complete
+        self._partial: Path | None = None  # the shard being written
+        self._began = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the refresh thread and the build both write the file
+
+    def __enter__(self) -> BuildProgress:
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._keep()
+            self._thread = threading.Thread(target=self._refresh, name="checkpoint-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+            self.path.with_name(self.path.name + ".tmp").unlink(missing_ok=True)
+
+    def say(self, text: str) -> None:
+        self.text = text
+        self._keep()
+
+    def plan(self, shards: list[tuple[int, list[int]]]) -> None:
+        self._shards, self._began = shards, time.monotonic()
+        self._keep()
+
+    def writing(self, number: int, partial: Path) -> None:
+        self._written, self._partial = number - 1, partial
+        self._keep()
+
+    def written(self, number: int) -> None:
+        self._written, self._partial = number, None
+        self._keep()
+
+    def line(self) -> str:
+        shards, written = self._shards, self._written
+        if not shards:
+            return self.text
+        done = sum(size for size, _ in shards[:written])
+        tensors = sum(len(ends) for _, ends in shards[:written])
+        if self._partial is not None and written < len(shards):
+            size, ends = shards[written]
+            try:
+                part = min(self._partial.stat().st_size, size)
+            except OSError:  # not open yet, or just renamed to its final name
+                part = size if self._partial.with_suffix("").exists() else 0
+            done, tensors = done + part, tensors + bisect.bisect_right(ends, part)
+        total = sum(size for size, _ in shards)
+        rate = done / max(time.monotonic() - self._began, 1e-9)
+        return (
+            f"{written}/{len(shards)} shards, {tensors} of {sum(len(ends) for _, ends in shards)} tensors, "
+            f"{_human(done)} of {_human(total)} written, {_human(rate)}/s"
+        )
+
+    def _keep(self) -> None:
+        if self.path is None:
+            return
+        fresh = self.path.with_name(self.path.name + ".tmp")
+        try:
+            with self._lock:
+                fresh.write_text(self.line() + "\n")
+                os.replace(fresh, self.path)
+        except OSError as error:  # a progress line is never worth failing the build for
+            print(f"  (progress file {self.path}: {error.strerror})", file=sys.stderr, flush=True)
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._keep()
+
+
+def build_hybrid(
+    options: BuildOptions, log: Callable[[str], None] = print, progress: BuildProgress | None = None
+) -> dict[str, Any]:
+    """Write the hybrid checkpoint into options.out; return the manifest (also written as MANIFEST_NAME).
+    ``progress`` (``--progress-file``) is told what the build does, and the shards' bytes as they are written."""
     started = time.monotonic()
+    progress = progress or BuildProgress(None)
     base, out = Path(options.base), Path(options.out)
     if options.scales not in ("block", "tensor"):
         raise CheckpointError(f"--scales {options.scales!r} is not block or tensor")
@@ -776,6 +882,10 @@ def build_hybrid(options: BuildOptions, log: Callable[[str], None] = print) -> d
         from sparkfleet.build import fp8_quant
 
         fp8_quant.require_torch()
+    progress.say(
+        f"planning: reading the base {base.name}"
+        + (f" and fetching the tensors it needs of donor {options.donor.description}" if options.donor else "")
+    )
     plans = _plan_modules(layout, options)  # fetches the donor shards it needs
     if out.exists() and any(out.iterdir()) and not options.force and existing is None:
         raise CheckpointError(
@@ -786,7 +896,7 @@ def build_hybrid(options: BuildOptions, log: Callable[[str], None] = print) -> d
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     try:
-        manifest = _write_hybrid(layout, plans, options, staging, fingerprint, started, log)
+        manifest = _write_hybrid(layout, plans, options, staging, fingerprint, started, log, progress)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # never leave a half-written checkpoint behind
         raise
@@ -813,6 +923,7 @@ def _write_hybrid(
     fingerprint: str,
     started: float,
     log: Callable[[str], None],
+    progress: BuildProgress,
 ) -> dict[str, Any]:
     base = layout.path
     source = f"donor {options.donor.description}" if options.donor else f"quantized here ({options.scales} scales)"
@@ -821,11 +932,10 @@ def _write_hybrid(
     by_shard: dict[str, list[ModulePlan]] = defaultdict(list)
     for plan in plans.values():
         by_shard[plan.base_shard].append(plan)
-    weight_map: dict[str, str] = {}
-    written_shards: list[dict[str, Any]] = []
-    bytes_read = 0
-    for number, shard in enumerate(layout.shard_names, 1):
-        shard_started = time.monotonic()
+    # every shard's tensors first (their data is produced only as the writer reaches them): the totals
+    # of the progress line, and a base that already holds a module's scales refused before anything is written
+    shards: list[tuple[str, dict[str, ModulePlan], list[ShardEntry]]] = []
+    for shard in layout.shard_names:
         header = layout.headers[shard]
         replaced = {plan.base_weight.name: plan for plan in by_shard.get(shard, [])}
         entries: list[ShardEntry] = []
@@ -843,6 +953,16 @@ def _write_hybrid(
         if len(names) != len(set(names)):
             duplicate = next(n for n in names if names.count(n) > 1)
             raise CheckpointError(f"base shard {shard} already holds {duplicate}; pass the INT4 base, not a hybrid")
+        shards.append((shard, replaced, entries))
+    progress.plan([_shard_extent(layout.headers[name], entries, bool(swap)) for name, swap, entries in shards])
+
+    weight_map: dict[str, str] = {}
+    written_shards: list[dict[str, Any]] = []
+    bytes_read = 0
+    for number, (shard, replaced, entries) in enumerate(shards, 1):
+        shard_started = time.monotonic()
+        header = layout.headers[shard]
+        progress.writing(number, staging / (shard + ".partial"))
         if replaced:
             written = write_shard(
                 staging / shard,
@@ -855,6 +975,7 @@ def _write_hybrid(
             written = copy_file(
                 header.path, staging / shard, chunk_bytes=options.chunk_bytes, hash_output=options.hash_output
             )
+        progress.written(number)
         bytes_read += header.file_size
         for entry in entries:
             weight_map[entry.name] = shard
@@ -1019,6 +1140,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hybrid.add_argument("--no-hash", action="store_true", help="do not sha256 the output shards")
     hybrid.add_argument("--force", action="store_true", help="rebuild even if --out is up to date or foreign")
     hybrid.add_argument("--json", action="store_true", help="print the manifest as JSON at the end")
+    hybrid.add_argument(
+        "--progress-file",
+        type=Path,
+        help="keep a one-line progress report in this file while the build runs (shards, tensors and bytes "
+        "written of the total, rate), removed at the end",
+    )
     hybrid.set_defaults(func=run_hybrid)
     parser.set_defaults(func=lambda _args: (parser.print_help(), 2)[1])
 
@@ -1054,7 +1181,8 @@ def run_hybrid(args: argparse.Namespace) -> int:
         )
         # With --json, stdout carries only the JSON (for Ansible); progress goes to stderr.
         log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
-        manifest = build_hybrid(options, log=log)
+        with BuildProgress(args.progress_file) as progress:
+            manifest = build_hybrid(options, log=log, progress=progress)
     except (CheckpointError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
