@@ -1,10 +1,11 @@
 """Ansible callback: show the progress lines of long steps as they come.
 
-A long step (a vLLM start: ~3 min on a GB10, ~8 min on a first load) runs as an async job while a task
-polls it and retries; Ansible prints only "FAILED - RETRYING" for each poll. A poll that prints a line
-starting with ``progress:`` on stdout (``sparkfleet-start-progress``) gets that line shown, with the
-host, at once. So does each item of a loop that does a long job step by step (the hub download:
-``sparkfleet weights fetch --progress``), as the item returns.
+A long step (a vLLM start: ~3 min on a GB10, ~8 min on a first load; a venv's pip install; a checkpoint
+build) runs as an async job while a task polls it and retries; Ansible prints only "FAILED - RETRYING" for
+each poll. A poll that prints a line starting with ``progress:`` on stdout (``sparkfleet-start-progress``,
+``sparkfleet-job-progress``) gets that line shown, with the host, at once. So does each item of a loop
+that does a long job step by step (the hub download: ``sparkfleet weights fetch --progress``), as the item
+returns.
 """
 
 from __future__ import annotations
