@@ -1,4 +1,4 @@
-"""model_cache's fan-out plan (roles/model_cache/filter_plugins) and the seed's manifest of a built directory.
+"""model_cache's fan-out plan (filter_plugins/model_cache_fanout.py) and the seed's manifest of a built directory.
 
 The plan is what issue 4 asks of a fleet copy: the seed sends once (only when no host holds a verified
 copy), then every holder serves one host per round, so the holders double each round; a host that holds
@@ -19,9 +19,7 @@ from sparkfleet.build import hub_cache
 from sparkfleet.build.hub_cache import HubCacheError
 
 ROOT = Path(__file__).resolve().parents[2]
-_SPEC = importlib.util.spec_from_file_location(
-    "model_cache_fanout", ROOT / "roles" / "model_cache" / "filter_plugins" / "model_cache_fanout.py"
-)
+_SPEC = importlib.util.spec_from_file_location("model_cache_fanout", ROOT / "filter_plugins" / "model_cache_fanout.py")
 fanout = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(fanout)
 plan = fanout.model_cache_fanout_plan

@@ -22,9 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-_SPEC = importlib.util.spec_from_file_location(
-    "model_cache_ship", ROOT / "roles" / "model_cache" / "filter_plugins" / "model_cache_ship.py"
-)
+_SPEC = importlib.util.spec_from_file_location("model_cache_ship", ROOT / "filter_plugins" / "model_cache_ship.py")
 ship = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(ship)
 OWNER = pwd.getpwuid(os.getuid()).pw_name

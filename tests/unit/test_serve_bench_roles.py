@@ -399,7 +399,7 @@ def test_argument_specs_match_defaults(role: str) -> None:
 
 def load_health_filter(name: str) -> Any:
     """One of serve_health's filter plugin files, imported as a module (no Ansible needed)."""
-    path = ROOT / "roles" / "serve_health" / "filter_plugins" / f"{name}.py"
+    path = ROOT / "filter_plugins" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"serve_health_{name}", path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)

@@ -20,7 +20,7 @@ TARGET = f"{KV_CONFIGS}/qwen3_5_122b_a10b/config.json"
 
 @pytest.fixture
 def kv_lookup() -> Any:
-    lookup_loader.add_directory(str(REPO / "roles" / "spark_preflight" / "lookup_plugins"))
+    lookup_loader.add_directory(str(REPO / "lookup_plugins"))
     plugin = lookup_loader.get("spark_kv_plan", loader=DataLoader(), templar=None)
     assert plugin is not None
     return plugin

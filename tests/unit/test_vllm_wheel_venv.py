@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-MODULE = Path(__file__).resolve().parents[2] / "roles" / "vllm_wheel" / "library" / "vllm_wheel_venv.py"
+MODULE = Path(__file__).resolve().parents[2] / "library" / "vllm_wheel_venv.py"
 NAME, VERSION = "spark-demo", "1.0+cpu"  # a local label, as torch's 2.11.0+cpu
 PIN = f"{NAME}=={VERSION}"
 WHEEL = "spark_demo-1.0+cpu-py3-none-any.whl"
