@@ -23,7 +23,6 @@ import json
 import os
 import re
 import resource
-import signal
 import subprocess
 import sys
 import threading
@@ -36,6 +35,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import smoke_cases  # noqa: E402
+from process_group import stop_group  # noqa: E402
 from smoke_cases import BATCH, BOOT, PREFIX, SEQUENTIAL, Case, prompt_ids  # noqa: E402
 
 LOG_PATTERNS = {
@@ -228,13 +228,7 @@ class Server:
         self.result["metrics"] = metric_sums(metrics)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        stop_group(self.process, reap_s=None)  # a killed leader is waited for however long it takes
         self.log_file.close()
         self.result.update(parse_log(self.log_path.read_text(errors="replace")))
         self.result["seconds_total"] = round(time.monotonic() - self.started, 1)

@@ -23,7 +23,6 @@ import importlib.metadata
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -44,6 +43,8 @@ from sparkfleet.hostlib.bench.decode import run_decode_bench
 from sparkfleet.hostlib.bench.e2e import run_e2e_bench
 from sparkfleet.hostlib.bench.http_client import OpenAIServer
 from sparkfleet.hostlib.bench.workloads import load_workload
+from tests.gpu.process_group import stop_group
+from tests.vllm.cpu_serve import serve_argv, serve_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -138,43 +139,11 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
         pytest.skip("no runnable vLLM: build the patched CPU wheel into build/wheels/ first")
     port = free_port()
     cache = tmp_path_factory.mktemp("vllm-cache")
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        # the CPU sampler's torch.compile of its random-sampling helper costs ~24 s a start (eager: same math)
-        TORCHDYNAMO_DISABLE="1",
-        # engine core and worker forked, not spawned: no second and third import of torch and vLLM
-        # (CPU patch 0006 keeps the setting)
-        VLLM_WORKER_MULTIPROC_METHOD="fork",
-        VLLM_CACHE_ROOT=str(cache),
-        HF_HUB_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join(p for p in (vllm_path, os.environ.get("PYTHONPATH", "")) if p),
-    )
+    env = serve_env(cache, os.pathsep.join(p for p in (vllm_path, os.environ.get("PYTHONPATH", "")) if p))
     log_path = cache / "serve.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        str(MODEL),
-        "--served-model-name",
-        "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enforce-eager",
-        "--max-model-len",
-        "512",
-        "--max-num-seqs",
-        "2",
-        "--max-num-batched-tokens",
-        "512",
-        "--dtype",
-        "bfloat16",
-        "--speculative-config",
-        json.dumps(SPECULATIVE_CONFIG),
-    ]
+    argv = serve_argv(
+        MODEL, "tiny", port, "--dtype", "bfloat16", "--speculative-config", json.dumps(SPECULATIVE_CONFIG)
+    )
     with open(log_path, "w") as log:
         process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     parse = subprocess.Popen(
@@ -206,13 +175,7 @@ def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer
     finally:
         if parse.poll() is None:
             parse.kill()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
+        stop_group(process, grace_s=30)
 
 
 def workload_file(tmp_path: Path, name: str, prompts: list[str]) -> str:

@@ -863,9 +863,9 @@ def _driver(out: Path, tensor_ckpt: str, block_ckpt: str, varied_ckpt: str, base
 
     import torch
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     from tests.vllm.test_inc_hybrid_fp8 import INT4_PREFIXES, _engine_config
+    from tests.vllm.vllm_trees import init_one_process_world
 
     missing = _block_kernel_missing()
     import vllm
@@ -880,14 +880,7 @@ def _driver(out: Path, tensor_ckpt: str, block_ckpt: str, varied_ckpt: str, base
         vllm_config = _engine_config(ckpt)
         if label == "tensor":
             with set_current_vllm_config(vllm_config):
-                init_distributed_environment(
-                    world_size=1,
-                    rank=0,
-                    local_rank=0,
-                    distributed_init_method=f"file://{tempfile.mkdtemp()}/rendezvous",
-                    backend="gloo",
-                )
-                initialize_model_parallel(1, 1)
+                init_one_process_world(tempfile.mkdtemp())
         entry, model = _driver_load(vllm_config, ckpt, mode, INT4_PREFIXES)
         if label == "tensor":
             modules = dict(model.named_modules())

@@ -13,11 +13,9 @@ measured 3 min 9 s in all with the shared 2-core machine at load average 9-13).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -31,6 +29,8 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures import tiny_models
+from tests.gpu.process_group import stop_group
+from tests.vllm.cpu_serve import serve_argv, serve_env
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -116,57 +116,14 @@ class Server:
         return "\n".join(text.splitlines()[-lines:])
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-        # The engine core and workers share the group; make sure none outlives the test.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+        stop_group(self.process)
 
 
 def start_server(site: Path, model: Path, port: int, log: Path, cache: Path, extra: list[str]) -> Server:
     port_free_or_fail(port)
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=str(site),
-        VLLM_CPU_KVCACHE_SPACE="1",
-        # the CPU sampler's torch.compile of its random-sampling helper costs ~24 s a start (eager: same math)
-        TORCHDYNAMO_DISABLE="1",
-        # engine core and worker forked, not spawned: no second and third import of torch and vLLM
-        # (CPU patch 0006 keeps the setting)
-        VLLM_WORKER_MULTIPROC_METHOD="fork",
-        VLLM_CACHE_ROOT=str(cache),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.cli.main",
-        "serve",
-        str(model),
-        "--served-model-name",
-        "qwen",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--enforce-eager",
-        "--max-model-len",
-        "512",
-        "--max-num-seqs",
-        "2",
-        "--max-num-batched-tokens",
-        "512",
-        # The worker runs inside the engine-core process: one process fewer to start per server.
-        "--distributed-executor-backend",
-        "uni",
-        *extra,
-    ]
+    env = serve_env(cache, str(site))
+    # The worker runs inside the engine-core process: one process fewer to start per server.
+    command = serve_argv(model, "qwen", port, "--distributed-executor-backend", "uni", *extra)
     handle = log.open("w")
     process = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True

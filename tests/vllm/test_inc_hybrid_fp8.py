@@ -45,7 +45,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.vllm_trees import build_vllm_tree
+from tests.vllm.vllm_trees import build_vllm_tree, init_one_process_world
 
 pytestmark = pytest.mark.vllm
 
@@ -401,7 +401,6 @@ def _driver(out: str, jobs: list[str]) -> None:
     import tempfile
 
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
     results: dict[str, Any] = {}
     distributed_ready = False
@@ -416,14 +415,7 @@ def _driver(out: str, jobs: list[str]) -> None:
         if not distributed_ready:
             # One process, world size 1, gloo over a file rendezvous (no TCP port).
             with set_current_vllm_config(vllm_config):
-                init_distributed_environment(
-                    world_size=1,
-                    rank=0,
-                    local_rank=0,
-                    distributed_init_method=f"file://{tempfile.mkdtemp()}/rendezvous",
-                    backend="gloo",
-                )
-                initialize_model_parallel(1, 1)
+                init_one_process_world(tempfile.mkdtemp())
             distributed_ready = True
         model, decisions = _build_model(vllm_config, mode)
         results[job] = {

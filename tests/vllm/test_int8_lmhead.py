@@ -475,10 +475,10 @@ def run_scenario(out_json: Path) -> None:
     import vllm
     import vllm.envs as vllm_envs
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.layers.quantization.utils import int8_lmhead
 
     from tests.gpu.near_ties import bf16_reference_argmax, near_tie_problem
+    from tests.vllm.vllm_trees import init_one_process_world
 
     results: dict[str, Any] = {
         "env_registered": "VLLM_SPARKFLEET_INT8_LMHEAD" in vllm_envs.environment_variables,
@@ -497,14 +497,7 @@ def run_scenario(out_json: Path) -> None:
     org_vocab, hidden, batch = 1000, 96, 6
     weight, x = near_tie_problem(org_vocab, hidden, batch, seed=11)
     with tempfile.TemporaryDirectory() as tmp, set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"file://{tmp}/dist-init",
-            backend="gloo",
-        )
-        initialize_model_parallel(1, 1)
+        init_one_process_world(tmp)
         from vllm.model_executor.layers.logits_processor import LogitsProcessor
         from vllm.model_executor.layers.vocab_parallel_embedding import (
             ParallelLMHead,

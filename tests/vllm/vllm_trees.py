@@ -94,3 +94,18 @@ def run_tree_drivers(
         assert process.returncode == 0, f"{tree} driver failed:\n{output.decode(errors='replace')[-8000:]}"
         results[tree] = json.loads((root / f"{tree}.json").read_text())
     return results
+
+
+def init_one_process_world(rendezvous_dir: str) -> None:
+    """vLLM's distributed state for a driver that builds layers in its own process: world size 1, gloo over
+    a file rendezvous in ``rendezvous_dir`` (no TCP port). Call it inside ``set_current_vllm_config``."""
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"file://{rendezvous_dir}/rendezvous",
+        backend="gloo",
+    )
+    initialize_model_parallel(1, 1)
