@@ -1,6 +1,6 @@
 """Int8 (w8a16) lm-head logits with an exact greedy argmax, for vLLM's ``ParallelLMHead``.
 
-This file is shipped twice, byte for byte: as ``sparkfleet/kernels/int8_lmhead.py`` (tests, benchmark) and,
+This file is shipped twice, byte for byte: as ``sparkfleet/int8_lmhead.py`` (tests, benchmark) and,
 through ``files/patches/vllm-0.23.0/0003-int8-lm-head.patch``, as
 ``vllm/model_executor/layers/quantization/utils/int8_lmhead.py`` inside the patched wheel. It imports
 only torch and (optionally) triton, never vllm, so both copies behave the same.
@@ -14,7 +14,7 @@ DFlash drafter shares the target's ``lm_head`` module and compares its ``.weight
 ``int8_lm_head_logits`` then computes the logits of a batch of 1..64 hidden states with one Triton
 kernel that streams the int8 weight once (half the bytes of the bf16 GEMM; stored in the kernel's tile
 order so each program reads one contiguous run) and a second, small kernel that makes the greedy
-choice exact. The kernel configs were chosen by sweeps on an H200 (benchmarks/results/gpu); the Spark's
+choice exact. The kernel configs were chosen by sweeps on an H200 (tests/gpu/results); the Spark's
 GB10 (sm_121, 273 GB/s) has not been measured: re-run the sweep there.
 
 The exactness guarantee
@@ -38,7 +38,7 @@ block:
   ``LB <= z[r*] <= max(z)`` (any row's exact logit is), and ``T = LB - 2 ulp(LB)`` in the output
   dtype. (The previous design used
   ``LB = max(zq - delta)``, about one bound lower: a window of twice the bound instead of once, which
-  on crowded random logits held 3 to 600 tokens per row; benchmarks/results/gpu.)
+  on crowded random logits held 3 to 600 tokens per row; tests/gpu/results.)
 * skips every block whose bound (``zb`` plus one output ulp, plus ``delta`` evaluated with the block's
   largest ``emax``, ``e2`` and ``s``) stays below ``T``; in the other blocks it recomputes exactly (bf16
   weight, fp32 accumulation) every valid row whose own ``R(zq) + delta`` (with margins) reaches ``T``.
@@ -188,7 +188,7 @@ class KernelConfig:
     evict_first: int = 0  # 1: weight loads marked evict-first (streamed once, keep L2 for the rest)
 
 
-# Chosen from the autotune sweep in tests/gpu/bench_int8_lmhead.py (benchmarks/results/gpu/*.json) on an
+# Chosen from the autotune sweep in tests/gpu/bench_int8_lmhead.py (tests/gpu/results/*.json) on an
 # H200; keyed by the largest batch of the bucket.
 KERNEL_CONFIGS: dict[int, KernelConfig] = {
     16: KernelConfig(128, 16, 128, num_warps=4, num_stages=3, convert=0, w_is_a=0, tiled=1, evict_first=1),
