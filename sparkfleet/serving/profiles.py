@@ -1,7 +1,7 @@
 """Serving profiles: merge, resolve, check, and render them into a `vllm serve` command line.
 
 A profile is data (``inventory/group_vars/all/profiles.yml``). The same functions back the Ansible
-filters in ``filter_plugins/sparkfleet.py`` and the ``sparkfleet profile`` command, which the
+filters in ``filter_plugins/sparkfleet_filters.py`` and the ``sparkfleet profile`` command, which the
 Makefile uses to refuse an unknown PROFILE before anything runs.
 
 Layering of serve arguments, later wins: ``sparkfleet_serve_args_common`` (the recipe's defaults)

@@ -61,7 +61,7 @@ def test_there_are_plugins_and_none_edits_sys_path() -> None:
 @pytest.mark.parametrize(
     "plugin",
     [
-        "filter_plugins/sparkfleet.py",
+        "filter_plugins/sparkfleet_filters.py",
         "lookup_plugins/sparkfleet_profile.py",
         "lookup_plugins/sparkfleet_plan.py",
         "filter_plugins/spark_cuda.py",
@@ -90,3 +90,9 @@ def test_a_plugin_run_by_a_python_without_sparkfleet_fails_the_import(plugin: st
         )
     assert result.returncode != 0
     assert "No module named 'sparkfleet" in result.stderr, result.stderr[-2000:]
+
+
+def test_no_plugin_file_is_named_like_the_package_it_imports() -> None:
+    """A plugin file called sparkfleet.py would shadow the sparkfleet package for anything that puts its
+    folder on sys.path (a test importing a neighbouring plugin, a debugger)."""
+    assert not [path for path in plugin_files() if path.stem == "sparkfleet"]
