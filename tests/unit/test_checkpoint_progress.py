@@ -7,7 +7,6 @@ for the sparkfleet_progress callback to show. The builder's stdout JSON (``chang
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -15,14 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from sparkfleet.build.checkpoint import BuildOptions, BuildProgress, LocalDonor, _human, build_hybrid
 from sparkfleet.cli import main as cli_main
 from tests.fixtures.hybrid_fp8_checkpoint import write_hybrid_fp8_checkpoint
+from tests.unit.helpers import needs_ansible_playbook, run_playbook, write_hosts, write_play
 
-ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 LINE = re.compile(r"(\d+)/(\d+) shards, (\d+) of (\d+) tensors, (.+) of (.+) written, .+/s")
 
@@ -109,16 +106,10 @@ def run_builds(tmp_path: Path, models: list[dict], **role_vars: object) -> subpr
             }
         },
     ]
-    (tmp_path / "play.yml").write_text(yaml.safe_dump([{"hosts": "all", "gather_facts": False, "tasks": tasks}]))
-    host = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-    (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": {"spark-x": host}}}))
     extra = tmp_path / "vars.json"
     extra.write_text(json.dumps({"model_cache_hub_seed_dir": str(tmp_path / "seed"), **role_vars}))
-    proc = subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", str(tmp_path / "hosts.yml"), "-e", f"@{extra}", str(tmp_path / "play.yml")],
-        env={**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
-        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT,
-    )  # fmt: skip
+    hosts = write_hosts(tmp_path / "inventory")
+    proc = run_playbook(hosts, write_play(tmp_path / "play.yml", tasks), "-e", f"@{extra}")
     print(proc.stdout[-6000:], proc.stderr[-2000:])
     return proc
 
@@ -139,7 +130,7 @@ print(json.dumps({"changed": True}))
 FAKE = {"name": "fake", "build": "hybrid-fp8", "base": {"repo": "org/base", "revision": REVISION}}
 
 
-@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+@needs_ansible_playbook
 def test_the_role_shows_the_builds_progress_while_it_runs(tmp_path: Path) -> None:
     argv = [sys.executable, "-c", SLOW_BUILD, "{{ __model_cache_build_progress }}", "{{ item.outcome }}"]
     ok = run_builds(
@@ -157,7 +148,7 @@ def test_the_role_shows_the_builds_progress_while_it_runs(tmp_path: Path) -> Non
     assert "error: base /nowhere has no config.json; pass the INT4 base checkpoint directory" in failed.stdout
 
 
-@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+@needs_ansible_playbook
 def test_the_role_builds_with_the_real_builder_once(tmp_path: Path, ckpts: dict[str, Path]) -> None:
     snapshot = tmp_path / "seed" / "models--org--base" / "snapshots" / REVISION
     shutil.copytree(ckpts["none"], snapshot)

@@ -25,12 +25,11 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
+from tests.unit.helpers import ROOT, needs_ansible_playbook, run_playbook, write_hosts, write_play
+
 pytestmark = [
-    pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv"),
+    needs_ansible_playbook,
     pytest.mark.skipif(os.geteuid() != 0, reason="the role installs files owned by root"),
 ]
 HELPER = ROOT / "files" / "bin" / "sparkfleet-job-progress"
@@ -76,17 +75,10 @@ def play(tmp_path: Path, tasks_from: str, role_vars: dict, *flags: str) -> subpr
         },
         "when": tasks_from == "pip",
     }
-    tasks = [{"ansible.builtin.include_role": {"name": "vllm_wheel", "tasks_from": tasks_from}}, report]
-    playbook.write_text(yaml.safe_dump([{"hosts": "all", "gather_facts": False, "tasks": tasks}]))
+    write_play(playbook, [{"ansible.builtin.include_role": {"name": "vllm_wheel", "tasks_from": tasks_from}}, report])
     extra = tmp_path / f"{tasks_from}-vars.json"
     extra.write_text(json.dumps(role_vars))
-    host = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-    (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": {"spark-x": host}}}))
-    proc = subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", str(tmp_path / "hosts.yml"), "-e", f"@{extra}", *flags, str(playbook)],
-        env={**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
-        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT,
-    )  # fmt: skip
+    proc = run_playbook(write_hosts(tmp_path / "inventory"), playbook, "-e", f"@{extra}", *flags)
     print(proc.stdout[-6000:], proc.stderr[-2000:])
     return proc
 

@@ -6,17 +6,10 @@ dumper folds it at 80 columns), apostrophes and all, so an operator's grep or a 
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-import yaml
-
-ROOT = Path(__file__).resolve().parents[2]
-ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
+from tests.unit.helpers import needs_ansible_playbook, run_playbook, write_hosts, write_play
 
 # > 80 columns, with ": " (YAML quotes it) and apostrophes (single quotes would double them)
 ONE_LINE = (
@@ -26,7 +19,7 @@ ONE_LINE = (
 LINES = ["arch x86_64: ok", "driver 580.95.05 (branch 580): ok", "port 8000 held by someone else: FAIL"]
 
 
-@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+@needs_ansible_playbook
 def test_one_line_messages_stay_whole_and_multi_line_ones_print_as_lines(tmp_path: Path) -> None:
     tasks = [
         {"name": "A long one-line message", "ansible.builtin.debug": {"msg": ONE_LINE}},
@@ -34,15 +27,8 @@ def test_one_line_messages_stay_whole_and_multi_line_ones_print_as_lines(tmp_pat
         {"name": "A long one-line failure", "ansible.builtin.fail": {"msg": ONE_LINE}, "ignore_errors": True},
         {"name": "A multi-line failure", "ansible.builtin.fail": {"msg": "\n".join(LINES)}},
     ]
-    (tmp_path / "play.yml").write_text(yaml.safe_dump([{"hosts": "all", "gather_facts": False, "tasks": tasks}]))
     # an inventory of the test's own (the run lock is per inventory): one host, this machine
-    host = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-    (tmp_path / "hosts.yml").write_text(yaml.safe_dump({"all": {"hosts": {"spark-x": host}}}))
-    proc = subprocess.run(
-        [str(ANSIBLE_PLAYBOOK), "-i", str(tmp_path / "hosts.yml"), str(tmp_path / "play.yml")],
-        env={**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_NOCOLOR": "1"},
-        capture_output=True, text=True, timeout=300, check=False, cwd=ROOT,
-    )  # fmt: skip
+    proc = run_playbook(write_hosts(tmp_path / "inventory"), write_play(tmp_path / "play.yml", tasks))
     assert proc.returncode == 2, proc.stdout + proc.stderr  # the last task fails
     assert "Callback dispatch" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
