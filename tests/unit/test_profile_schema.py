@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from sparkfleet.serving import profile_schema, profiles, vllm_schema
-from tests.unit.test_profile_models import ANSIBLE_PLAYBOOK, pinned_models, run_resolve, site_inventory
+from tests.unit.helpers import needs_ansible_playbook
+from tests.unit.test_profile_models import pinned_models, run_resolve, site_inventory
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = yaml.safe_load((ROOT / "inventory/group_vars/all/profiles.yml").read_text())
@@ -229,7 +230,7 @@ def test_a_yaml_error_names_file_line_and_column_in_one_line(tmp_path: Path, tex
     assert f"{bad}{where}" in line and "YAML syntax error" in line, line
 
 
-@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook is not in this venv")
+@needs_ansible_playbook
 def test_deploy_refuses_a_profile_typo_before_any_change(tmp_path: Path) -> None:
     site = {
         "sparkfleet_profile": "dflash",
