@@ -981,7 +981,33 @@ def render_profile_log(name: str) -> list[str]:
         "is written but not yet measured: its first H200 runs faulted (the end of this log), see",
         "`tests/gpu/int8_lmhead_epilogue.wip.diff`.",
     ]
-    return lines
+    return lines + render_pdl_run(PDL_RUN)
+
+
+# The PDL design (tests/gpu/int8_lmhead_pdl.wip.diff) against this module on an H200, one process.
+PDL_RUN = "int8_lmhead_h200_pdl/h200_run1/bench_variants.json"
+
+
+def render_pdl_run(name: str) -> list[str]:
+    """One paragraph on the PDL design's H200 run (figures read from its JSON)."""
+    path = RESULTS_DIR / name
+    if not path.exists():
+        return []
+    run = json.loads(path.read_text())
+    table = run["table"]
+    ratio = lambda key: " / ".join(f"{table[b][key]['x_bf16']:.3f}x" for b in ("1", "2", "4"))  # noqa: E731
+    exact = "every argmax exact" if run["exactness"]["wip"]["all_ok"] else "NOT every argmax exact"
+    best = min(table[b]["wip"]["x_bf16"] for b in ("1", "2", "4"))
+    verdict = "reaching 1.95x" if best >= 1.95 else "short of 1.95x, so the runtime keeps this design"
+    return [
+        "",
+        "The design of `tests/gpu/int8_lmhead_pdl.wip.diff` (the probe spread over the hidden dimension, one",
+        "programmatic-dependent-launch chain, a lower bound the int8 kernel publishes) was measured against",
+        f"this one in one process on an {run['device']} (`{name}`):",
+        f"batch 1 / 2 / 4 at {ratio('wip')} the bf16 GEMM against {ratio('old')} for this design",
+        f"({exact}), {verdict}; that run, its profile and the two further cuts tried",
+        "(both slower) are in `tests/gpu/int8_lmhead_pdl.wip.md`.",
+    ]
 
 
 def render_worst(result: dict) -> list[str]:
