@@ -254,3 +254,26 @@ def test_the_helper_prints_the_line_a_job_keeps_in_its_progress_file(tmp_path: P
     progress.write_text("2/4 shards, 10 of 20 tensors, 0.50 of 1.00 GB written, 100 MB/s\n")
     out = helper(str(job), "0", "checkpoint dense", "--file", str(progress))
     assert out.stdout.endswith(" s: 2/4 shards, 10 of 20 tensors, 0.50 of 1.00 GB written, 100 MB/s\n"), out.stdout
+
+
+def test_a_job_that_died_without_a_result_ends_the_wait_instead_of_the_timeout(tmp_path: Path) -> None:
+    """A job that could not write its result (seen with a full disk: Ansible's async result file left
+    empty) is over: the helper says finished (the task collecting the result then fails within its own
+    retries) rather than polling until the install's timeout. A result file is written whole and renamed into place, so an
+    unreadable one that is still there after a while is no write in progress."""
+    progress = tmp_path / "progress"
+    progress.write_text("copying\n")
+    dead = tmp_path / "j9.1"
+    dead.write_text("")
+    os.utime(dead, (time.time() - 120, time.time() - 120))
+    assert helper(str(dead), "1", "pip into v", "--file", str(progress)).returncode == 0
+    # just written (a rename in progress, or the job starting): look again
+    fresh = tmp_path / "j9.2"
+    fresh.write_text("")
+    waited = helper(str(fresh), "1", "pip into v", "--file", str(progress))
+    assert waited.returncode == 3 and waited.stdout.startswith("progress: pip into v, "), waited
+    # a job that runs long keeps a valid result file, however old: still running
+    running = tmp_path / "j9.3"
+    running.write_text(json.dumps({"started": 1, "finished": 0, "ansible_job_id": "j9.3"}))
+    os.utime(running, (time.time() - 3600, time.time() - 3600))
+    assert helper(str(running), "1", "pip into v", "--file", str(progress)).returncode == 3
