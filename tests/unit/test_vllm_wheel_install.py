@@ -259,8 +259,8 @@ def test_the_helper_prints_the_line_a_job_keeps_in_its_progress_file(tmp_path: P
 def test_a_job_that_died_without_a_result_ends_the_wait_instead_of_the_timeout(tmp_path: Path) -> None:
     """A job that could not write its result (seen with a full disk: Ansible's async result file left
     empty) is over: the helper says finished (the task collecting the result then fails within its own
-    retries) rather than polling until the install's timeout. A result file is written whole and renamed into place, so an
-    unreadable one that is still there after a while is no write in progress."""
+    retries) rather than polling until the install's timeout. A result file is written whole and renamed
+    into place, so an unreadable one that is still there after a while is no write in progress."""
     progress = tmp_path / "progress"
     progress.write_text("copying\n")
     dead = tmp_path / "j9.1"
