@@ -89,8 +89,7 @@ def memory(inputs: Mapping[str, Any]) -> tuple[dict[str, int], list[str]]:
     max_bytes = memory_max_bytes(setting, inputs.get("memtotal_mb"), reserve)
     errors = []
     unusable = (
-        (setting == "auto" and inputs.get("memtotal_mb") in (None, ""))
-        or max_bytes < 0
+        max_bytes < 0  # also "auto" without MemTotal (no gathered facts)
         or (setting != "auto" and str(setting) not in NO_LIMIT and max_bytes <= 0)
         or not _digits(reserve)
         or not _digits(floor)
