@@ -38,6 +38,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from packaging import tags
 from packaging.requirements import InvalidRequirement, Requirement
@@ -628,6 +629,42 @@ def download(spec: Flavor, dest: Path, python: str = sys.executable) -> int:
             f"pip download left out {', '.join(absent[:5])}: the index serves other files; make lock FLAVOR={spec.name}"
         )
     return len(todo)
+
+
+# ------------------------------------------------------------------------------------ the push
+
+
+def push_plan(source_files: Any, host_files: Any, owner: str, group: str, mode: str) -> list[dict[str, Any]]:
+    """The controller's wheels a host lacks or holds different: what vllm_wheel's push copies, one by one.
+
+    ``source_files`` and ``host_files`` are ``ansible.builtin.find``'s ``files`` (``get_checksum: true``)
+    of the controller's wheelhouse and of the host's; ``owner``, ``group`` and ``mode`` (an octal string
+    as find writes it, such as ``"0644"``) are what the push's ``copy`` sets. A controller wheel is sent
+    when the host holds no file of its name (basename) or one that differs in checksum, mode, owner or
+    group; a file find could not checksum (it checksums only what it can read) is sent. Files only the
+    host holds change nothing.
+
+    Returns ``[{"path": <controller path>, "size": <bytes>}, ...]`` in the order of the paths ignoring
+    case (Jinja's ``sort``, which chose the order before this function did): the push task's labels
+    count wheels and bytes along it ("k of N, X of Y GB").
+    """
+    for name, files in (("source_files", source_files), ("host_files", host_files)):
+        if not isinstance(files, (list, tuple)) or not all(isinstance(f, dict) for f in files):
+            raise ValueError(f"push_plan: {name} must be find's files list, got {files!r}")
+        if missing := [f for f in files if not isinstance(f.get("path"), str)]:
+            raise ValueError(f"push_plan: {name} holds a file without a path: {missing[0]!r}")
+    if missing := [f for f in source_files if "size" not in f]:
+        raise ValueError(f"push_plan: source_files holds a file without a size: {missing[0]!r}")
+    # by name, the last of a name winning (find lists one directory: a name comes once)
+    held = {
+        os.path.basename(f["path"]): [f.get(key) for key in ("checksum", "mode", "pw_name", "gr_name")]
+        for f in host_files
+    }
+    return [
+        {"path": f["path"], "size": f["size"]}
+        for f in sorted(source_files, key=lambda f: f["path"].lower())
+        if f.get("checksum") is None or held.get(os.path.basename(f["path"])) != [f["checksum"], mode, owner, group]
+    ]
 
 
 # ------------------------------------------------------------------------------------ the command
