@@ -9,18 +9,8 @@ from ansible.errors import AnsibleFilterError
 # sparkfleet is installed in the controller venv (make venv), where ansible-playbook runs
 from sparkfleet.fleet import doctor as _doctor
 from sparkfleet.serving import profiles as _profiles
-from sparkfleet.serving import service_unit as _service_unit
 from sparkfleet.serving import serving_state as _serving_state
 from sparkfleet.serving import unit_state as _unit_state
-
-
-def sparkfleet_with_speculative_tokens(resolved: dict[str, Any], n: int) -> dict[str, Any]:
-    """``profile | sparkfleet_with_speculative_tokens(n)``: the resolved profile drafting n tokens, its
-    health gate's acceptance length scaled to n (sparkfleet.serving.profiles.with_speculative_tokens)."""
-    try:
-        return _profiles.with_speculative_tokens(resolved, int(n))
-    except _profiles.ProfileError as exc:
-        raise AnsibleFilterError(str(exc)) from exc
 
 
 def sparkfleet_profile_names(builtin: dict[str, Any], site: dict[str, Any] | None = None) -> list[str]:
@@ -31,15 +21,6 @@ def sparkfleet_profile_names(builtin: dict[str, Any], site: dict[str, Any] | Non
 def sparkfleet_profile_errors(resolved: dict[str, Any], refused: list[dict[str, Any]] | None) -> list[str]:
     """One message per flag of the resolved profile that is known to break this model."""
     return _profiles.errors(resolved, refused)
-
-
-def sparkfleet_unit_spec(inputs: dict[str, Any]) -> dict[str, Any]:
-    """``inputs | sparkfleet_unit_spec``: everything the serving unit and state.json hold, from the
-    vllm_service role's inputs (sparkfleet.serving.service_unit.spec)."""
-    try:
-        return _service_unit.spec(inputs)
-    except (_service_unit.SpecError, _serving_state.StateError, ValueError, TypeError) as exc:
-        raise AnsibleFilterError(f"sparkfleet_unit_spec: {exc}") from exc
 
 
 def sparkfleet_unit_state(show: str, unit: str, journal: list[str] | None = None) -> dict[str, Any]:
@@ -104,10 +85,8 @@ def sparkfleet_doctor_fixes_pair(pair: tuple[list[dict[str, Any]], str]) -> list
 class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
-            "sparkfleet_with_speculative_tokens": sparkfleet_with_speculative_tokens,
             "sparkfleet_profile_names": sparkfleet_profile_names,
             "sparkfleet_profile_errors": sparkfleet_profile_errors,
-            "sparkfleet_unit_spec": sparkfleet_unit_spec,
             "sparkfleet_unit_state": sparkfleet_unit_state,
             "sparkfleet_last_error": sparkfleet_last_error,
             "sparkfleet_state": sparkfleet_state,

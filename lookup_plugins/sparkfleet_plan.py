@@ -25,6 +25,9 @@ options:
   _terms:
     description: The profile's name.
     required: true
+  speculative_tokens:
+    description: Plan the profile drafting this many tokens per step (make tune's candidates).
+    type: int
 """
 
 EXAMPLES = r"""
@@ -45,7 +48,13 @@ class LookupModule(LookupBase):
     def run(self, terms: list[Any], variables: dict[str, Any] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
         try:
             return serving_plan.from_lookup(
-                "sparkfleet_plan", terms, variables, serving_plan.VARIABLES, self._templar.template, serving_plan.build
+                "sparkfleet_plan",
+                terms,
+                variables,
+                serving_plan.VARIABLES,
+                self._templar.template,
+                serving_plan.build,
+                speculative_tokens=kwargs.get("speculative_tokens"),
             )
         except (profiles.ProfileError, serving_plan.PlanError) as exc:
             raise AnsibleLookupError(str(exc)) from exc

@@ -1,13 +1,13 @@
 """The serving unit of one profile on one host, worked out in one place.
 
-``spec`` turns the vllm_service role's inputs (the serving plan's parts: sparkfleet_plan) into every
-value its unit file and state.json hold: the unit's name and the units it conflicts with, the
-``ExecStart=`` command line (sparkfleet-memory-guard with its limits, then ``vllm serve``), the
-environment, the limit each memory enforcer applies, the health URL the unit and its handlers poll,
-the secrets file, and the state record (sparkfleet.serving.serving_state's schema). The role calls it
-once (the ``sparkfleet_unit_spec`` filter, roles/vllm_service/vars/main.yml); the unit template
-renders its fields. Its ``errors`` are the settings it cannot use, one line each with the fix (the
-role's preflight refuses them before anything changes).
+``spec`` turns the serving plan's parts (sparkfleet.serving.serving_plan.service_inputs gathers them
+with the inventory's unit settings, SETTINGS) into every value its unit file and state.json hold: the
+unit's name and the units it conflicts with, the ``ExecStart=`` command line (sparkfleet-memory-guard
+with its limits, then ``vllm serve``), the environment, the limit each memory enforcer applies, the
+allow-list, the health URL the unit and its handlers poll, the secrets file, and the state record
+(sparkfleet.serving.serving_state's schema). The plan keeps it as ``service``; the vllm_service role
+takes it whole (vllm_service_spec) and its templates render its fields. Its ``errors`` are the settings
+it cannot use, one line each with the fix (the role's preflight refuses them before anything changes).
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ LOOPBACK = ("127.0.0.1", "::1", "localhost")
 # the unit starts this much after the server's own start timeout runs out (its ExecStartPost waits that long)
 START_TIMEOUT_MARGIN_S = 30
 
-# The role's inputs spec() reads (roles/vllm_service/meta/argument_specs.yml documents each).
+# What spec() reads: the serving plan's parts (sparkfleet.serving.serving_plan.service_inputs gathers
+# them), the inventory's unit settings (SETTINGS) and the host's MemTotal (memtotal_mb, from gathered facts).
 INPUTS = (
     "profile",
     "other_profiles",
@@ -45,19 +46,38 @@ INPUTS = (
     "served_model_name",
     "host",
     "port",
-    "allowed_clients",
-    "firewall_unit",
-    "start_timeout",
-    "extra_directives",
+    "user",
+    "state_dir",
     "cache_dir",
     "config_dir",
+    "firewall_unit",
+    "allowed_clients",
+    "start_timeout",
+    "extra_directives",
     "libexec_dir",
     "memory_max",
     "memory_enforcers",
     "memory_reserve_mib",
     "memory_floor_mib",
+    "limit_nofile",
+    "devices",
     "memtotal_mb",
 )
+# The inventory variables behind the unit's settings (inventory/group_vars/all/sparkfleet.yml documents
+# each and sets the default): input key -> variable.
+SETTINGS = {
+    "allowed_clients": "vllm_service_allowed_clients",
+    "start_timeout": "vllm_service_start_timeout",
+    "extra_directives": "vllm_service_extra_directives",
+    "libexec_dir": "vllm_service_libexec_dir",
+    "memory_max": "vllm_service_memory_max",
+    "memory_enforcers": "vllm_service_memory_enforcers",
+    "memory_reserve_mib": "vllm_service_memory_reserve_mib",
+    "memory_floor_mib": "vllm_service_memory_floor_mib",
+    "limit_nofile": "vllm_service_limit_nofile",
+    "devices": "vllm_service_devices",
+}
+FIREWALL_UNIT = "sparkfleet-vllm-firewall.service"
 
 
 class SpecError(ValueError):
@@ -134,11 +154,34 @@ def directives(extra: Mapping[str, Any]) -> list[str]:
     ]
 
 
+CLIENT = re.compile(r"^[0-9A-Fa-f:.]+(/[0-9]{1,3})?$")
+DIRECTIVE_KEY = re.compile(r"^[A-Z][A-Za-z0-9]+$")
+
+
+def setting_errors(allowed: Any, extra: Any) -> list[str]:
+    """What is wrong with vllm_service_allowed_clients and vllm_service_extra_directives, one line each."""
+    errors = []
+    if isinstance(allowed, str) or not isinstance(allowed, Sequence):
+        bad = [allowed]
+    else:
+        bad = [client for client in allowed if not CLIENT.match(str(client))]
+    if bad:
+        errors.append(
+            f"vllm_service_allowed_clients has entries that are not IP addresses or CIDRs: {bad}; list addresses "
+            "such as 10.0.0.5 or 10.0.0.0/24 (host names are not resolved)."
+        )
+    if not isinstance(extra, Mapping) or any(not DIRECTIVE_KEY.match(str(key)) for key in extra):
+        errors.append(
+            f"vllm_service_extra_directives {extra} must map systemd [Service] keys (such as CPUAffinity) to values."
+        )
+    return errors
+
+
 def spec(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Everything the unit file and state.json of ``inputs['profile']`` hold (the module docstring)."""
     missing = [key for key in INPUTS if key not in inputs and key != "memtotal_mb"]
     if missing:
-        raise SpecError(f"the serving unit needs {', '.join(missing)}: run the role through playbooks/deploy.yml")
+        raise SpecError(f"the serving unit needs {', '.join(missing)}: build it with sparkfleet.serving.serving_plan")
     profile = inputs["profile"]
     name = str(profile["name"])
     limits, errors = memory(inputs)
@@ -178,9 +221,38 @@ def spec(inputs: Mapping[str, Any]) -> dict[str, Any]:
         "port": port,
     }
     serving_state.check(state, f"the {name} unit's state")
-    allowed = [str(client) for client in inputs["allowed_clients"] or []]
+    errors += setting_errors(inputs["allowed_clients"] or [], inputs["extra_directives"] or {})
+    clients = inputs["allowed_clients"] or []
+    allowed = (
+        [str(client) for client in clients] if isinstance(clients, Sequence) and not isinstance(clients, str) else []
+    )
+    extra = inputs["extra_directives"] if isinstance(inputs["extra_directives"], Mapping) else {}
     exposed = str(inputs["host"]) not in LOOPBACK
+    config_dir = str(inputs["config_dir"])
     return {
+        "profile": name,
+        "summary": str(profile.get("summary") or ""),
+        "served_model_name": str(inputs["served_model_name"]),
+        "vllm_version": str(inputs["vllm_version"]),
+        "patchset_id": str(inputs["patchset_id"]),
+        "host": str(inputs["host"]),
+        "port": port,
+        "user": str(inputs["user"]),
+        "state_dir": str(inputs["state_dir"]),
+        "cache_dir": str(inputs["cache_dir"]),
+        "config_dir": config_dir,
+        "libexec_dir": libexec,
+        "state_file": f"{config_dir}/state.json",
+        "start_timeout": int(inputs["start_timeout"]),
+        "limit_nofile": inputs["limit_nofile"],
+        "devices": [str(device) for device in inputs["devices"] or []],
+        "allowed_clients": allowed,
+        # the nftables allow-list's two families
+        "allowed_v4": [client for client in allowed if ":" not in client],
+        "allowed_v6": [client for client in allowed if ":" in client],
+        "firewall_unit": str(inputs["firewall_unit"]),
+        "firewall_file": f"{config_dir}/vllm-firewall.nft",
+        "extra_directives": extra,
         "unit": unit,
         "conflicts": [serving_state.unit_name(str(other)) for other in inputs["other_profiles"] if other != name],
         # the port is open beyond loopback only with the nftables allow-list in place
@@ -188,7 +260,7 @@ def spec(inputs: Mapping[str, Any]) -> dict[str, Any]:
         "exposed": exposed,
         "allowed_from": "loopback and the allowed clients" if allowed else "loopback",
         "ip_address_allow": ["localhost"] + ([" ".join(allowed) or "any"] if exposed else []),
-        "directives": directives(inputs["extra_directives"] or {}),
+        "directives": directives(extra or {}),
         "timeout_start_s": int(inputs["start_timeout"]) + START_TIMEOUT_MARGIN_S,
         "argv": argv,
         "exec_start": profiles.systemd_exec_args(argv),

@@ -1,12 +1,12 @@
 """What one host serves, computed once per host per run: its serving plan.
 
 Built on the controller from the host's inventory variables (``build``), by the ``sparkfleet_plan``
-lookup at the start of the deploy, switch, rolling and tune plays (playbooks/tasks/resolve-profile.yml),
-which keeps it as the host fact ``sparkfleet_plan``. Every later step reads its parts: the preflight
-(disk and memory needs, the KV check's models), model_cache (``model_cache``), vllm_wheel (the wheel
-manifest), vllm_service (profile, venv, model paths and revisions; the unit's command line and
-environment come from them through sparkfleet.serving.profiles.vllm_argv and service_env), the health gate and
-the rollback (``unit``).
+lookup at the start of every play that serves or reads a profile (playbooks/tasks/resolve-profile.yml:
+deploy, switch, rolling, tune, health, bench, drift), which keeps it as the host fact
+``sparkfleet_plan``. Every later step reads its parts: the preflight (disk and memory needs, the KV
+check's models), model_cache (``model_cache``), vllm_wheel (the wheel manifest), vllm_service
+(``service``: the whole unit), the health gate and the benchmark (``api``, ``profile``), the rollback
+(``unit``).
 
 Keys: ``profile`` (resolved, sparkfleet.serving.profiles.resolve_from), ``unit``, ``errors`` (flags known to
 break the model, and models missing or not pinned; a play refuses the host when there is one),
@@ -15,10 +15,13 @@ entries; {} for none), ``drafter_key``, ``model_cache`` (model_cache's list), ``
 ``model_path`` and ``drafter_path`` (on the host), ``model_revisions`` ({name: revision}, 'local' for
 a model without one), ``wheel_manifest`` (its path on the controller) and ``wheel`` (its content; {}
 before `make wheel`), ``venv``, ``vllm_version``, ``patchset_id``, ``disk_gib`` (the weights' size),
-``api`` (``api`` below: where the server listens and how a probe on the host reaches it).
-
-The unit's own values (its ExecStart, environment, memory limits, state record) are worked out from
-these parts by sparkfleet.serving.service_unit.spec, which the vllm_service role calls once.
+``api`` (``api`` below: where the server listens and how a probe on the host reaches it), and
+``service``: the unit as sparkfleet.serving.service_unit.spec works it out from these parts, the
+inventory's unit settings and the host's MemTotal (its ExecStart argv, environment, memory limits,
+allow-list, health URL and the state.json record; its ``errors`` are unusable unit settings, which
+the vllm_service role's preflight refuses). A profile travels from the inventory to ``ExecStart=``
+through three files: the inventory's group_vars, this module (with the profiles and service_unit
+modules it calls) and the unit template, which renders ``service``'s fields.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sparkfleet.serving import model_pins, profiles, serving_state
+from sparkfleet.serving import model_pins, profiles, service_unit, serving_state
 
 # The inventory variables a plan reads besides the profile layers (profiles.LAYER_VARIABLES).
 VARIABLES = (
@@ -46,6 +49,11 @@ VARIABLES = (
     "sparkfleet_api_port",
     "sparkfleet_served_model_name",
     "sparkfleet_api_key",
+    "sparkfleet_config_dir",
+    "sparkfleet_service_user",
+    *service_unit.SETTINGS.values(),
+    # the host's MemTotal, when the play gathered facts (vllm_service_memory_max: auto)
+    "ansible_facts",
 )
 
 
@@ -59,17 +67,18 @@ def from_lookup(
     variables: Mapping[str, Any] | None,
     names: tuple[str, ...],
     template: Callable[[Any], Any],
-    build: Callable[[dict[str, Any], str], Any],
+    build: Callable[..., Any],
+    **options: Any,
 ) -> list[Any]:
     """What the sparkfleet_plan and sparkfleet_profile lookups do: one profile name, the variables in
-    ``names`` templated (``template``: the lookup's templar), ``build`` over them. Raises PlanError or
-    profiles.ProfileError with one line."""
+    ``names`` templated (``template``: the lookup's templar), ``build`` over them with the lookup's
+    ``options``. Raises PlanError or profiles.ProfileError with one line."""
     if len(terms) != 1:
         raise PlanError(f"{lookup} takes one profile name, got {terms!r}")
     known = {name: template(variables[name]) for name in names if name in (variables or {})}
     if "sparkfleet_profiles_builtin" not in known:
         raise PlanError("sparkfleet_profiles_builtin is not defined: is inventory/group_vars/all linked?")
-    return [build(known, str(terms[0]))]
+    return [build(known, str(terms[0]), **options)]
 
 
 def read_manifest(path: str) -> dict[str, Any]:
@@ -110,14 +119,56 @@ def api(variables: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def build(variables: Mapping[str, Any], name: str) -> dict[str, Any]:
-    """The serving plan of profile ``name`` with the inventory ``variables`` of one host.
+def memtotal_mb(variables: Mapping[str, Any]) -> Any:
+    """The host's MemTotal in MB from its gathered facts; None when the play gathered none."""
+    facts = variables.get("ansible_facts")
+    return facts.get("memtotal_mb") if isinstance(facts, Mapping) else None
+
+
+def service_inputs(variables: Mapping[str, Any], plan: Mapping[str, Any]) -> dict[str, Any]:
+    """What sparkfleet.serving.service_unit.spec reads: the plan's parts, the inventory's unit settings
+    (service_unit.SETTINGS) and the host's MemTotal."""
+    missing = [name for name in service_unit.SETTINGS.values() if name not in variables]
+    missing += [name for name in ("sparkfleet_config_dir", "sparkfleet_service_user") if not variables.get(name)]
+    if missing:
+        raise PlanError(f"{', '.join(missing)} not set: is inventory/group_vars/all linked into this inventory?")
+    names = profiles.all_profiles(variables["sparkfleet_profiles_builtin"], variables.get("sparkfleet_profiles_site"))
+    api_ = plan["api"]
+    return {
+        "profile": plan["profile"],
+        "other_profiles": sorted(names),
+        "venv": plan["venv"],
+        "vllm_version": plan["vllm_version"],
+        "patchset_id": plan["patchset_id"],
+        "model_path": plan["model_path"],
+        "drafter_path": plan["drafter_path"],
+        "model_revisions": plan["model_revisions"],
+        "served_model_name": api_["served_model_name"],
+        "host": api_["host"],
+        "port": api_["port"],
+        "user": variables["sparkfleet_service_user"],
+        "state_dir": variables["sparkfleet_state_dir"],
+        "cache_dir": f"{variables['sparkfleet_state_dir']}/cache",
+        "config_dir": variables["sparkfleet_config_dir"],
+        "firewall_unit": service_unit.FIREWALL_UNIT,
+        **{key: variables[name] for key, name in service_unit.SETTINGS.items()},
+        "memtotal_mb": memtotal_mb(variables),
+    }
+
+
+def build(variables: Mapping[str, Any], name: str, speculative_tokens: Any = None) -> dict[str, Any]:
+    """The serving plan of profile ``name`` with the inventory ``variables`` of one host; with
+    ``speculative_tokens``, the profile drafting that many tokens (make tune's candidates).
 
     Raises profiles.ProfileError for an unknown profile or a bad layer, PlanError for a missing setting."""
     for key in ("sparkfleet_state_dir", "sparkfleet_root", "sparkfleet_wheel_dir", "sparkfleet_vllm_flavor"):
         if not variables.get(key):
             raise PlanError(f"{key} is not set: is inventory/group_vars/all linked into this inventory?")
     resolved = profiles.resolve_from(variables, name)
+    if speculative_tokens not in (None, ""):
+        if not str(speculative_tokens).isdigit():
+            raise PlanError(f"num_speculative_tokens {speculative_tokens!r} is not a whole number: give one such as 8")
+        resolved = profiles.with_speculative_tokens(resolved, int(speculative_tokens))
     models = model_pins.apply_pins(variables.get("sparkfleet_models") or {}, variables.get(model_pins.PINS_VARIABLE))
     target_key = str(resolved["target"])
     drafter_key = str(resolved.get("drafter") or "")
@@ -129,7 +180,7 @@ def build(variables: Mapping[str, Any], name: str) -> dict[str, Any]:
     revisions = {target_key: target.get("revision", "local")}
     if drafter_key:
         revisions[drafter_key] = drafter.get("revision", "local")
-    return {
+    plan = {
         "profile": resolved,
         "unit": serving_state.unit_name(name),
         "errors": profiles.errors(resolved, variables.get("sparkfleet_refused_serve_args"))
@@ -151,3 +202,8 @@ def build(variables: Mapping[str, Any], name: str) -> dict[str, Any]:
         "disk_gib": (target.get("size_gib") or 0) + (drafter.get("size_gib") or 0),
         "api": api(variables),
     }
+    try:
+        plan["service"] = service_unit.spec(service_inputs(variables, plan))
+    except (service_unit.SpecError, serving_state.StateError) as error:
+        raise PlanError(str(error)) from error
+    return plan

@@ -152,7 +152,7 @@ def test_binding_beyond_loopback_without_a_key_is_refused(host: Host) -> None:
     before = host.unit_identity()
     refused = deploy(host.name, "-e", "sparkfleet_api_host=0.0.0.0")
     assert refused.returncode != 0
-    assert "vllm_service_host 0.0.0.0 is reachable beyond this host but vllm_service_api_key is empty" in (
+    assert "sparkfleet_api_host 0.0.0.0 is reachable beyond this host but sparkfleet_api_key is empty" in (
         " ".join(refused.output.split())
     )
     assert refused.recap[host.name]["changed"] == 0

@@ -171,6 +171,25 @@ def test_a_play_resolves_the_profile_with_every_inventory_layer_of_its_host(tmp_
 
 
 @needs_ansible_playbook
+def test_the_play_plans_the_whole_unit_once_and_tune_plans_its_candidates_through_the_lookup(tmp_path: Path) -> None:
+    """resolve-profile.yml's plan holds the unit vllm_service renders (sparkfleet_plan.service), with the
+    inventory's unit settings; tune's candidates come from the same lookup with speculative_tokens."""
+    site = {"sparkfleet_models": pinned_models(), "vllm_service_memory_max": "64G"}
+    keep = (
+        "{'service': sparkfleet_plan.service, "
+        "'candidate': lookup('sparkfleet_plan', 'dflash', speculative_tokens=5).service.state.profile_spec}"
+    )
+    proc, out = run_resolve(tmp_path / "plan", site, keep=keep, extra=("-e", "sparkfleet_api_port=8124"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    kept = json.loads(out.read_text())
+    service = kept["service"]
+    assert service["errors"] == [] and service["unit"] == "sparkfleet-vllm-dflash.service"
+    assert service["memory"]["max_bytes"] == 64 * 2**30 and service["argv"][1] == str(64 * 2**30)
+    assert service["argv"][service["argv"].index("--port") + 1] == "8124"
+    assert kept["candidate"]["speculative"]["num_speculative_tokens"] == 5
+
+
+@needs_ansible_playbook
 def test_deploy_refuses_unpinned_weights_before_any_change_and_hands_pins_to_model_cache(tmp_path: Path) -> None:
     refused, out = run_resolve(tmp_path / "unpinned", {"sparkfleet_profile": "dense"})
     assert refused.returncode != 0

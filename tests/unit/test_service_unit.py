@@ -43,6 +43,10 @@ def inputs(**overrides: Any) -> dict[str, Any]:
         "memory_reserve_mib": 8192,
         "memory_floor_mib": 2048,
         "memtotal_mb": 122_880,
+        "user": "vllm",
+        "state_dir": "/var/lib/sparkfleet",
+        "limit_nofile": 65536,
+        "devices": ["/dev/nvidia0"],
     }
     values.update(overrides)
     return values
@@ -113,5 +117,23 @@ def test_extra_directives_and_environment_come_in_the_order_the_unit_always_had(
 def test_a_missing_input_is_one_line_naming_it() -> None:
     values = inputs()
     del values["libexec_dir"], values["port"]
-    with pytest.raises(service_unit.SpecError, match="the serving unit needs port, libexec_dir: run the role"):
+    with pytest.raises(
+        service_unit.SpecError,
+        match="the serving unit needs port, libexec_dir: build it with sparkfleet.serving.serving_plan",
+    ):
         service_unit.spec(values)
+
+
+@pytest.mark.parametrize(
+    ("settings", "start"),
+    [
+        ({"allowed_clients": ["10.0.0.5", "spark-02.lan"]}, "vllm_service_allowed_clients has entries that are not IP"),
+        ({"allowed_clients": "10.0.0.5"}, "vllm_service_allowed_clients has entries that are not IP"),
+        ({"extra_directives": ["CPUAffinity=0-3"]}, "vllm_service_extra_directives ['CPUAffinity=0-3'] must map"),
+        ({"extra_directives": {"cpu affinity": "0-3"}}, "vllm_service_extra_directives {'cpu affinity': '0-3'} must"),
+    ],
+)
+def test_a_bad_allow_list_or_directive_is_one_line_for_preflight(settings: dict[str, Any], start: str) -> None:
+    spec = service_unit.spec(inputs(host="0.0.0.0", **settings))
+    assert len(spec["errors"]) == 1 and spec["errors"][0].startswith(start) and "\n" not in spec["errors"][0]
+    assert service_unit.spec(inputs(host="0.0.0.0", allowed_clients=["10.0.0.5"]))["errors"] == []

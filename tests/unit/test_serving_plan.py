@@ -128,3 +128,79 @@ def test_both_lookups_take_one_profile_name_and_need_the_shared_group_vars(tmp_p
         serving_plan.build,
     )
     assert plan == serving_plan.build(variables, "dense")
+
+
+def test_the_plan_holds_the_whole_unit_worked_out_from_its_own_parts(tmp_path: Path) -> None:
+    from sparkfleet.serving import service_unit
+
+    variables = inventory(
+        tmp_path,
+        ansible_facts={"memtotal_mb": 65_536},
+        sparkfleet_api_port=8123,
+        vllm_service_memory_reserve_mib=4096,
+        vllm_service_extra_directives={"CPUAffinity": "0-7"},
+    )
+    plan = serving_plan.build(variables, "dflash")
+    service = plan["service"]
+    assert service == service_unit.spec(serving_plan.service_inputs(variables, plan))
+    # ExecStart: the guard with the inventory's limits, then vllm serve of the plan's venv, weights and API
+    vllm = profiles.vllm_argv(
+        plan["profile"],
+        venv=plan["venv"],
+        model_path=plan["model_path"],
+        drafter_path=plan["drafter_path"],
+        served_model_name="qwen",
+        host="127.0.0.1",
+        port=8123,
+    )
+    assert service["argv"] == [
+        "/usr/local/libexec/sparkfleet/sparkfleet-memory-guard",
+        str((65_536 - 4096) * 2**20),
+        str(2048 * 2**20),
+        "--",
+        *vllm,
+    ]
+    assert service["unit"] == plan["unit"] and service["health_url"] == plan["api"]["health_url"]
+    assert service["directives"] == ["CPUAffinity=0-7"] and service["errors"] == []
+    state = service["state"]
+    assert (state["profile"], state["venv"], state["model_revisions"]) == (
+        "dflash",
+        plan["venv"],
+        plan["model_revisions"],
+    )
+    assert set(service["conflicts"]) == {
+        f"sparkfleet-vllm-{name}.service" for name in variables["sparkfleet_profiles_builtin"] if name != "dflash"
+    }
+
+
+def test_unusable_unit_settings_stay_the_units_errors_not_the_plans(tmp_path: Path) -> None:
+    """Plays that only read a plan (health, bench, doctor) gather no facts: memory "auto" cannot be worked
+    out there, and only the vllm_service preflight, which writes the unit, refuses it."""
+    plan = serving_plan.build(inventory(tmp_path), "dflash")
+    assert plan["errors"] == []
+    assert len(plan["service"]["errors"]) == 1 and plan["service"]["errors"][0].startswith(
+        "vllm_service_memory_max auto"
+    )
+    with pytest.raises(
+        serving_plan.PlanError, match="vllm_service_devices not set: is inventory/group_vars/all linked"
+    ):
+        serving_plan.build({k: v for k, v in inventory(tmp_path).items() if k != "vllm_service_devices"}, "dflash")
+
+
+def test_a_tune_candidate_is_the_plan_with_its_number_of_drafted_tokens(tmp_path: Path) -> None:
+    variables = inventory(tmp_path, ansible_facts={"memtotal_mb": 122_880})
+    plan = serving_plan.build(variables, "dflash")
+    own = plan["profile"]["speculative"]["num_speculative_tokens"]
+    for n in (1, 5, own + 3):
+        candidate = serving_plan.build(variables, "dflash", speculative_tokens=str(n))
+        assert candidate["profile"] == profiles.with_speculative_tokens(plan["profile"], n)
+        config = json.loads(
+            candidate["service"]["argv"][candidate["service"]["argv"].index("--speculative-config") + 1]
+        )
+        assert config["num_speculative_tokens"] == n
+        assert candidate["service"]["state"]["profile_spec"]["speculative"]["num_speculative_tokens"] == n
+    for bad in ("many", "-2", "1.5"):
+        with pytest.raises(serving_plan.PlanError, match=rf"num_speculative_tokens '{bad}' is not a whole number"):
+            serving_plan.build(variables, "dflash", speculative_tokens=bad)
+    with pytest.raises(profiles.ProfileError, match="does not speculate"):
+        serving_plan.build(variables, "base", speculative_tokens=4)

@@ -1,6 +1,6 @@
 """sparkfleet.serving.serving_state: the schema of a host's state.json and what plays derive from it (the
 probe address of a bind address, the probe URL, each served model's revision), against the record the
-vllm_service role writes (its __vllm_service_spec.state, rendered with Ansible's own templating)."""
+vllm_service role writes (the plan's unit: vllm_service_spec.state, rendered with Ansible's own templating)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ DRAFTER_REV = "6c7242c934a9870d7c59c05240bdbb2467cc1394"
 def written(**overrides: Any) -> dict[str, Any]:
     """The state the vllm_service role writes for a speculative profile, through JSON as on disk."""
     speculative = {
-        "vllm_service_drafter_path": "/var/lib/sparkfleet/models/tiny-dflash",
-        "vllm_service_model_revisions": {"tiny": TARGET_REV, "tiny-dflash": DRAFTER_REV},
+        "drafter_path": "/var/lib/sparkfleet/models/tiny-dflash",
+        "model_revisions": {"tiny": TARGET_REV, "tiny-dflash": DRAFTER_REV},
     }
-    record = expression("__vllm_service_spec.state", **{**speculative, **overrides})
+    record = expression("vllm_service_spec.state", {**speculative, **overrides})
     return json.loads(json.dumps(record))
 
 
@@ -50,11 +50,12 @@ def test_what_the_role_writes_passes_the_schema_and_names_its_revisions() -> Non
 def test_a_bind_address_gives_the_probe_address(bind: str, probe: str, url: str) -> None:
     view = serving_state.view(serving_state.check({**written(), "host": bind, "port": "8123"}, "h"))
     assert view["probe"] == {"host": probe, "port": 8123, "url": url}
-    assert expression("__vllm_service_spec.probe_host", vllm_service_host=bind) == probe
+    if bind:  # the plan refuses an empty sparkfleet_api_host; a record from an earlier sparkfleet may hold one
+        assert expression("vllm_service_spec.probe_host", sparkfleet_api_host=bind) == probe
 
 
 def test_a_profile_without_drafter_has_no_drafter_revision() -> None:
-    state = written(vllm_service_drafter_path="", vllm_service_model_revisions={"tiny": TARGET_REV})
+    state = written(drafter_path="", model_revisions={"tiny": TARGET_REV})
     assert serving_state.view(serving_state.check(state, "h"))["revisions"] == {"model": TARGET_REV, "drafter": ""}
 
 

@@ -1,7 +1,8 @@
 """The vllm_service role's unit, rendered the way Ansible renders it, and the helpers the unit runs.
 
-The unit comes from templates/sparkfleet-vllm.service.j2 with the role's defaults and vars (ansible-core's
-own templating, so the role's lazy vars resolve as they do on a host). Checked here: one profile holds
+The unit comes from templates/sparkfleet-vllm.service.j2 with the role's defaults and vars and its one
+input, the serving plan's unit (sparkfleet.serving.serving_plan over inventory/group_vars/all), through
+ansible-core's own templating, as on a host. Checked here: one profile holds
 the GPU (Conflicts=), the start timeout covers the 122B's first load, the memory guard's limit comes
 from MemTotal, the hardening scores at most 3.0 with `systemd-analyze security --offline=yes`, and
 files/bin/sparkfleet-verify-unit refuses a unit with a bad key. files/bin/sparkfleet-memory-guard is
@@ -51,27 +52,65 @@ def _trusted(value: Any) -> Any:
     return value
 
 
-def role_variables(**overrides: Any) -> dict[str, Any]:
-    """The role's defaults and vars (templates kept as templates), a sandbox-like profile, overrides."""
+# The plan's parts these tests serve in place of the inventory's own (a sandbox-like profile, no drafter).
+PLAN = {
+    "profile": {
+        "name": "dflash",
+        "summary": "test",
+        "serve_args": {"max-num-seqs": 3, "enforce-eager": True},
+        "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        "speculative": None,
+    },
+    "venv": "/opt/sparkfleet/venvs/vllm-0.23.0",
+    "model_path": "/var/lib/sparkfleet/models/tiny",
+    "drafter_path": "",
+}
+# what the host's facts give the plan (MemTotal, for vllm_service_memory_max: auto)
+FACTS = {"memtotal_mb": 122_880}
+# role inputs beside the unit (the secrets), as serve-unit.yml passes them
+ROLE_INPUTS = ("vllm_service_api_key", "vllm_service_hf_token")
+
+
+def group_vars_all() -> dict[str, Any]:
+    """inventory/group_vars/all, the shared defaults every inventory links."""
+    variables: dict[str, Any] = {}
+    for name in ("profiles.yml", "sparkfleet.yml"):
+        variables.update(yaml.safe_load((ROOT / "inventory" / "group_vars" / "all" / name).read_text()))
+    return variables
+
+
+def unit_spec(plan: dict[str, Any] | None = None, **inventory: Any) -> dict[str, Any]:
+    """The plan's ``service`` (what serve-unit.yml hands the role as vllm_service_spec): the serving plan of
+    group_vars/all with the ``inventory`` variables over it, and PLAN's parts (then ``plan``'s) in place of
+    the plan's own."""
+    from sparkfleet.serving import serving_plan
+    from tests.unit.test_profile_models import pinned_models
+
+    variables = {
+        **group_vars_all(),
+        "sparkfleet_models": pinned_models(),
+        "sparkfleet_wheel_dir": "/nonexistent",
+        "ansible_facts": FACTS,
+        **inventory,
+    }
+    built = serving_plan.build(variables, "dflash")
+    built.update(PLAN)
+    built.update(plan or {})
+    built["service"] = serving_plan.service_unit.spec(serving_plan.service_inputs(variables, built))
+    return built["service"]
+
+
+def role_variables(plan: dict[str, Any] | None = None, **inventory: Any) -> dict[str, Any]:
+    """The role's defaults and vars (templates kept as templates) with its unit from ``unit_spec``."""
     variables: dict[str, Any] = {}
     variables.update(yaml.safe_load((ROLE / "defaults" / "main.yml").read_text()))
     variables.update(yaml.safe_load((ROLE / "vars" / "main.yml").read_text()))
     variables = _trusted(variables)
     variables.update(
         ansible_managed="Managed by a test",
-        ansible_facts={"memtotal_mb": 122_880},
-        vllm_service_profile={
-            "name": "dflash",
-            "summary": "test",
-            "serve_args": {"max-num-seqs": 3, "enforce-eager": True},
-            "env": {"VLLM_CPU_KVCACHE_SPACE": "1"},
-            "speculative": None,
-        },
-        vllm_service_other_profiles=["base", "dense", "dflash"],
-        vllm_service_venv="/opt/sparkfleet/venvs/vllm-0.23.0",
-        vllm_service_model_path="/var/lib/sparkfleet/models/tiny",
+        vllm_service_spec=unit_spec(plan, **{k: v for k, v in inventory.items() if k not in ROLE_INPUTS}),
+        **{k: v for k, v in inventory.items() if k in ROLE_INPUTS},
     )
-    variables.update(overrides)
     return variables
 
 
@@ -83,24 +122,24 @@ def _load_plugins() -> None:
     init_plugin_loader([str(ROOT / "filter_plugins")])
 
 
-def template_text(text: str, **overrides: Any) -> Any:
-    """text templated by ansible-core with role_variables(**overrides)."""
+def template_text(text: str, plan: dict[str, Any] | None = None, **inventory: Any) -> Any:
+    """text templated by ansible-core with role_variables(plan, **inventory)."""
     from ansible.parsing.dataloader import DataLoader
     from ansible.template import Templar, trust_as_template
 
     _load_plugins()
-    templar = Templar(loader=DataLoader(), variables=role_variables(**overrides))
+    templar = Templar(loader=DataLoader(), variables=role_variables(plan, **inventory))
     return templar.template(trust_as_template(text))
 
 
-def render(template: str, **overrides: Any) -> str:
-    """templates/<template> rendered with role_variables(**overrides)."""
-    return template_text((TEMPLATES / template).read_text(), **overrides)
+def render(template: str, plan: dict[str, Any] | None = None, **inventory: Any) -> str:
+    """templates/<template> rendered with role_variables(plan, **inventory)."""
+    return template_text((TEMPLATES / template).read_text(), plan, **inventory)
 
 
-def expression(name: str, **overrides: Any) -> Any:
+def expression(name: str, plan: dict[str, Any] | None = None, **inventory: Any) -> Any:
     """One of the role's variables, resolved."""
-    return template_text("{{ " + name + " }}", **overrides)
+    return template_text("{{ " + name + " }}", plan, **inventory)
 
 
 def directives(unit: str, key: str) -> list[str]:
@@ -125,20 +164,19 @@ def exposure(unit_text: str, tmp_path: Path) -> float:
 
 def test_only_one_profile_holds_the_gpu() -> None:
     unit = render("sparkfleet-vllm.service.j2")
-    assert sorted(directives(unit, "Conflicts")) == [
-        "sparkfleet-vllm-base.service",
-        "sparkfleet-vllm-dense.service",
+    others = sorted(set(group_vars_all()["sparkfleet_profiles_builtin"]) - {"dflash"})
+    assert len(others) >= 2 and sorted(directives(unit, "Conflicts")) == [
+        f"sparkfleet-vllm-{n}.service" for n in others
     ]
 
 
 def test_exec_start_serves_the_profile_with_its_drafter_under_the_guard() -> None:
     speculative = {"method": "dflash", "num_speculative_tokens": 7, "attention_backend": None}
-    profile = {**role_variables()["vllm_service_profile"], "speculative": speculative}
+    profile = {**PLAN["profile"], "speculative": speculative}
     unit = render(
         "sparkfleet-vllm.service.j2",
-        vllm_service_profile=profile,
-        vllm_service_drafter_path="/var/lib/sparkfleet/models/my drafter",
-        vllm_service_port=8123,
+        {"profile": profile, "drafter_path": "/var/lib/sparkfleet/models/my drafter"},
+        sparkfleet_api_port=8123,
     )
     (exec_start,) = directives(unit, "ExecStart")
     argv = shlex.split(exec_start)
@@ -162,7 +200,7 @@ def test_exec_start_serves_the_profile_with_its_drafter_under_the_guard() -> Non
 
 def test_the_start_timeout_covers_the_first_load_and_the_health_wait() -> None:
     unit = render("sparkfleet-vllm.service.j2")
-    start_timeout = int(yaml.safe_load((ROLE / "defaults" / "main.yml").read_text())["vllm_service_start_timeout"])
+    start_timeout = int(group_vars_all()["vllm_service_start_timeout"])
     assert start_timeout > FIRST_LOAD_S
     (timeout_start,) = directives(unit, "TimeoutStartSec")
     assert int(timeout_start) > start_timeout
@@ -198,7 +236,7 @@ def test_the_memory_limit_reaches_the_cgroup_and_the_guard(memory_max: str, expe
 
 def test_auto_leaves_the_configured_reserve() -> None:
     limit = expression(
-        "__vllm_service_spec.memory.max_bytes",
+        "vllm_service_spec.memory.max_bytes",
         ansible_facts={"memtotal_mb": 24_105},
         vllm_service_memory_reserve_mib=4096,
     )
@@ -220,7 +258,7 @@ def test_auto_leaves_the_configured_reserve() -> None:
     ],
 )
 def test_an_unusable_memory_setting_is_one_line_for_preflight(settings: dict[str, Any]) -> None:
-    errors = expression("__vllm_service_spec.errors", **settings)
+    errors = expression("vllm_service_spec.errors", **settings)
     assert len(errors) == 1 and "\n" not in errors[0], errors
     assert errors[0].startswith(f"vllm_service_memory_max {settings.get('vllm_service_memory_max', 'auto')} ")
     assert 'give "auto"' in errors[0]
@@ -228,7 +266,7 @@ def test_an_unusable_memory_setting_is_one_line_for_preflight(settings: dict[str
 
 @pytest.mark.parametrize("enforcers", ["kernel", ["kernel", "cgroup"], [None]])
 def test_unknown_memory_enforcers_are_refused(enforcers: Any) -> None:
-    errors = expression("__vllm_service_spec.errors", vllm_service_memory_enforcers=enforcers)
+    errors = expression("vllm_service_spec.errors", vllm_service_memory_enforcers=enforcers)
     assert errors == [
         f"vllm_service_memory_enforcers {enforcers} is not a list of kernel and guard: give [kernel, guard] "
         "(the default), [kernel], [guard] or [] (no limit enforced)."
@@ -237,7 +275,7 @@ def test_unknown_memory_enforcers_are_refused(enforcers: Any) -> None:
 
 def test_good_memory_settings_have_no_errors() -> None:
     for settings in ({}, {"vllm_service_memory_max": "infinity"}, {"vllm_service_memory_enforcers": []}):
-        assert expression("__vllm_service_spec.errors", **settings) == []
+        assert expression("vllm_service_spec.errors", **settings) == []
 
 
 def test_hardening_directives_are_there() -> None:
@@ -267,8 +305,12 @@ def test_hardening_directives_are_there() -> None:
     [
         {},
         {"vllm_service_devices": []},
-        {"vllm_service_host": "0.0.0.0", "vllm_service_api_key": "k", "vllm_service_allowed_clients": ["10.1.0.0/24"]},
-        {"vllm_service_host": "0.0.0.0", "vllm_service_api_key": "k"},
+        {
+            "sparkfleet_api_host": "0.0.0.0",
+            "vllm_service_api_key": "k",
+            "vllm_service_allowed_clients": ["10.1.0.0/24"],
+        },
+        {"sparkfleet_api_host": "0.0.0.0", "vllm_service_api_key": "k"},
     ],
     ids=["gpu-loopback", "no-devices", "exposed-allow-list", "exposed-open"],
 )
@@ -286,7 +328,7 @@ def test_the_score_check_can_fail(tmp_path: Path) -> None:
 def test_binding_beyond_loopback_opens_only_the_allow_list() -> None:
     listed = render(
         "sparkfleet-vllm.service.j2",
-        vllm_service_host="0.0.0.0",
+        sparkfleet_api_host="0.0.0.0",
         vllm_service_allowed_clients=["10.1.0.0/24", "fd00::5"],
     )
     assert directives(listed, "IPAddressAllow") == ["localhost", "10.1.0.0/24 fd00::5"]
@@ -300,7 +342,7 @@ def test_binding_beyond_loopback_opens_only_the_allow_list() -> None:
 def test_the_allow_list_ruleset_splits_ipv4_and_ipv6() -> None:
     ruleset = render(
         "sparkfleet-vllm-firewall.nft.j2",
-        vllm_service_port=8123,
+        sparkfleet_api_port=8123,
         vllm_service_allowed_clients=["10.1.0.7", "fd00::/64"],
     )
     assert "tcp dport 8123 ip saddr { 10.1.0.7 } accept" in ruleset
@@ -489,3 +531,24 @@ def test_nft_accepts_the_allow_list_ruleset_and_refuses_a_bad_address(tmp_path: 
     bad = render("sparkfleet-vllm-firewall.nft.j2", vllm_service_allowed_clients=["10.1.0.300"])
     refused = _nft_check(bad, tmp_path)
     assert refused.returncode != 0 and "10.1.0.300" in refused.stderr
+
+
+def test_the_templates_render_the_plans_unit_and_compute_nothing() -> None:
+    """Every value of the unit, its env file and its firewall comes from the plan's unit (vllm_service_spec)
+    or the secrets beside it: the templates name no other variable and use no filter but ``comment``."""
+    from jinja2 import Environment, nodes
+
+    allowed = {"vllm_service_spec", "ansible_managed", "vllm_service_api_key", "vllm_service_hf_token"}
+    for name in (
+        "sparkfleet-vllm.service.j2",
+        "sparkfleet-vllm.env.j2",
+        "sparkfleet-vllm-firewall.nft.j2",
+        "sparkfleet-vllm-firewall.service.j2",
+    ):
+        tree = Environment().parse((TEMPLATES / name).read_text())
+        loop_vars = {node.name for node in tree.find_all(nodes.Name) if node.ctx == "store"}
+        names = {node.name for node in tree.find_all(nodes.Name) if node.ctx == "load"} - loop_vars
+        assert names <= allowed, f"{name} reads {sorted(names - allowed)}"
+        filters = {node.name for node in tree.find_all(nodes.Filter)}
+        assert filters <= {"comment", "join"}, f"{name} computes with {sorted(filters)}"
+        assert not list(tree.find_all(nodes.Call)), f"{name} calls a function"
