@@ -35,6 +35,12 @@ def sparkfleet_last_error(journal: list[str]) -> str:
     return _unit_state.last_error(journal or [])
 
 
+def sparkfleet_state_drift(planned: dict[str, Any], served: dict[str, Any]) -> list[str]:
+    """``plan.service.state | sparkfleet_state_drift(served)``: where the host's state.json differs from its
+    plan, one line per key (sparkfleet.serving.serving_state.drift)."""
+    return _serving_state.drift(planned, served)
+
+
 def sparkfleet_state(slurped: dict[str, Any], where: str) -> dict[str, Any]:
     """``slurp_result | sparkfleet_state(inventory_hostname)``: the host's state.json, checked against its
     schema, with ``probe`` (host, port, url) and ``revisions`` (model, drafter); {} when there is none
@@ -90,6 +96,7 @@ class FilterModule:
             "sparkfleet_unit_state": sparkfleet_unit_state,
             "sparkfleet_last_error": sparkfleet_last_error,
             "sparkfleet_state": sparkfleet_state,
+            "sparkfleet_state_drift": sparkfleet_state_drift,
             "sparkfleet_unit_name": sparkfleet_unit_name,
             "sparkfleet_doctor": sparkfleet_doctor,
             "sparkfleet_doctor_row": sparkfleet_doctor_row,

@@ -121,3 +121,22 @@ def from_slurp(result: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(result, dict) or "content" not in result:
         return {}
     return view(parse(base64.b64decode(result["content"]), where))
+
+
+# Kept by the unit's own starts (and views of the record), not planned.
+UNPLANNED = ("startup", "probe", "revisions")
+
+
+def drift(planned: dict[str, Any], served: dict[str, Any]) -> list[str]:
+    """Where the host's record differs from its plan's (``service.state``), one "key: served X, planned Y"
+    line per key, by key (the start-up figures aside)."""
+    return [
+        f"{key}: served {_short(served.get(key))}, planned {_short(planned.get(key))}"
+        for key in sorted(set(planned) | set(served))
+        if key not in UNPLANNED and planned.get(key) != served.get(key)
+    ]
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -259,3 +259,51 @@ def test_required_memory_below_a_nodes_share_of_the_weights_is_refused_naming_th
 def test_every_shipped_profile_asks_for_at_least_its_weights() -> None:
     for name in SHARED["sparkfleet_profiles_builtin"]:
         assert profiles.memory_share_error(resolve(name), MODELS) is None, name
+
+
+@needs_ansible_playbook
+def test_health_and_bench_plan_the_profile_the_host_serves_and_name_what_differs(tmp_path: Path) -> None:
+    """playbooks/tasks/plan-served.yml (make health, make bench): the host's state.json names the profile
+    it serves; its plan is made with the host's inventory and every difference is one reported line."""
+    from sparkfleet.serving import serving_plan
+
+    config = tmp_path / "etc"
+    config.mkdir()
+    site = {"sparkfleet_models": pinned_models(), "sparkfleet_config_dir": str(config)}
+    inventory = site_inventory(tmp_path, site)
+    planned = serving_plan.build(
+        {**SHARED, **yaml.safe_load((ROOT / "inventory/group_vars/all/sparkfleet.yml").read_text()), **site,
+         "sparkfleet_wheel_dir": str(tmp_path / "build" / "wheels")},
+        "dense",
+    )["service"]["state"]  # fmt: skip
+    out = tmp_path / "kept.json"
+    keep = "{{ {'unit': sparkfleet_plan.unit, 'drift': __served_drift} | to_json }}"
+    play = write_play(
+        tmp_path / "play.yml",
+        [
+            {"ansible.builtin.import_tasks": str(ROOT / "playbooks/tasks/plan-served.yml")},
+            {"ansible.builtin.copy": {"content": keep, "dest": str(out)}},
+        ],
+    )
+
+    def run(state: dict) -> tuple[subprocess.CompletedProcess, dict]:
+        (config / "state.json").write_text(json.dumps(state))
+        out.unlink(missing_ok=True)
+        proc = run_playbook(inventory / "hosts.yml", play, timeout=180)
+        return proc, json.loads(out.read_text()) if out.exists() else {}
+
+    proc, kept = run({**planned, "startup": {"ready_s": 12.0}})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        kept == {"unit": "sparkfleet-vllm-dense.service", "drift": []}
+        and "spark-x serves dense as planned" in proc.stdout
+    )
+    proc, kept = run({**planned, "port": 8001, "venv": "/opt/sparkfleet/venvs/vllm-old"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert kept["drift"] == [
+        "port: served 8001, planned 8000",
+        f"venv: served /opt/sparkfleet/venvs/vllm-old, planned {planned['venv']}",
+    ]
+    proc, kept = run({**planned, "profile": "turbo", "unit": "sparkfleet-vllm-turbo.service"})
+    assert proc.returncode != 0 and not kept
+    assert "spark-x serves profile turbo, which this inventory does not define" in " ".join(proc.stdout.split())
