@@ -161,6 +161,11 @@ check-profile: $(VENV)/.stamp
 doctor: $(VENV)/.stamp ## Read-only: one row per host of what PROFILE needs (GPU, driver, CUDA, memory, disk, port, guard, hub), each with its fix
 	$(PLAYBOOK) playbooks/doctor.yml -e sparkfleet_profile=$(Q_PROFILE)
 
+# Each host's own profile (the inventory's) unless PROFILE is given on the command line.
+.PHONY: cluster-check
+cluster-check: $(VENV)/.stamp ## Read-only: each cluster's link preflight (interface, MTU, addresses, NCCL/Gloo variables, pings, same stack, clocks), one line per refusal [PROFILE: else each host's own]
+	$(PLAYBOOK) playbooks/cluster-check.yml $(if $(filter command line environment,$(PROFILE_ORIGIN)),-e sparkfleet_profile=$(Q_PROFILE),)
+
 .PHONY: pin
 pin: $(VENV)/.stamp ## Pin PROFILE's hub models in INVENTORY: REF (default main) to full commits, no weights [UPDATE=1 moves pins]
 	$(PY) -m sparkfleet weights pin $(Q_PROFILE) --inventory $(Q_INVENTORY) --ref $(call sh_quote,$(REF)) $(if $(UPDATE),--update,)

@@ -16,7 +16,9 @@ Before a multi-node unit starts, every node must agree on the link and on what i
 ``check_cluster`` returns one line per refusal, naming the host, the interface or variable, the
 value and the fix; an empty list means the pair may start. The parsers read the outputs of
 ``ibdev2netdev``, ``ip -d -j link show`` (or its text form) and ``ip -j addr show`` and raise
-``ClusterLinkError`` with the line or value they could not read. Pure, standard library only.
+``ClusterLinkError`` with the line or value they could not read. ``check_collected`` judges every
+cluster from what the play ``playbooks/tasks/cluster-preflight.yml`` collected on its hosts (their
+plans and the raw outputs), one line per refusal as well. Pure, standard library only.
 """
 
 from __future__ import annotations
@@ -324,7 +326,7 @@ def node_facts(
     *,
     ip_link: str,
     ip_addr: str,
-    ibdev2netdev: str,
+    ibdev2netdev: str = "",
     env: Mapping[str, str],
     wheel: str,
     patch_set: str,
@@ -333,7 +335,10 @@ def node_facts(
     clock: ClockReading,
     reached: Iterable[str],
 ) -> NodeFacts:
-    """``NodeFacts`` from the raw outputs of the three commands; a parse error names the host."""
+    """``NodeFacts`` from the raw outputs of the three commands; a parse error names the host.
+
+    ``ibdev2netdev`` may be left empty on a link without RDMA (``check_cluster(..., rdma=False)``).
+    """
     link_form = "ip -d -j link show" if _looks_like_json(ip_link) else "ip -d link show"
     return NodeFacts(
         host=host,
@@ -354,19 +359,20 @@ def node_facts(
 
 
 def check_cluster(
-    nodes: Sequence[NodeFacts], interface: str, mtu: int = 9000, max_clock_skew_s: float = 1.0
+    nodes: Sequence[NodeFacts], interface: str, mtu: int = 9000, max_clock_skew_s: float = 1.0, rdma: bool = True
 ) -> list[str]:
     """One line per refusal, in this order: each node's link, MTU, address and variables; addresses
     two nodes share; unanswered pings; stack differences from the head (the first node); clocks.
 
     A check that needs the interface is left out on a node where it does not exist, and one that needs
     the link (address, pings, VLLM_HOST_IP) where it is not running: the link's own refusal says what
-    to fix first.
+    to fix first. ``rdma=False`` (a link without RDMA, e.g. the sandbox's) leaves out NCCL_IB_HCA and
+    needs no ``ibdev2netdev`` output.
     """
     _check_call(nodes, interface, mtu, max_clock_skew_s)
     problems: list[str] = []
     for node in nodes:
-        problems += check_node(node, interface, mtu)
+        problems += check_node(node, interface, mtu, rdma)
     problems += check_unique_addresses(nodes, interface)
     problems += check_reachability(nodes, interface)
     problems += check_same_stack(nodes)
@@ -374,8 +380,8 @@ def check_cluster(
     return problems
 
 
-def check_node(node: NodeFacts, interface: str, mtu: int) -> list[str]:
-    """The refusals that concern one node alone."""
+def check_node(node: NodeFacts, interface: str, mtu: int, rdma: bool = True) -> list[str]:
+    """The refusals that concern one node alone (NCCL_IB_HCA only when the link has ``rdma``)."""
     link_problem = check_link(node, interface)
     problems = [link_problem] if link_problem else []
     if interface not in node.links:
@@ -385,7 +391,7 @@ def check_node(node: NodeFacts, interface: str, mtu: int) -> list[str]:
     problems += check_address(node, interface) if running else []
     problems += check_nccl_socket_ifname(node, interface)
     problems += check_gloo_socket_ifname(node, interface)
-    problems += check_nccl_ib_hca(node, interface)
+    problems += check_nccl_ib_hca(node, interface) if rdma else []
     problems += check_vllm_host_ip(node, interface) if running else []
     return problems
 
@@ -615,6 +621,299 @@ def check_clocks(nodes: Sequence[NodeFacts], max_clock_skew_s: float) -> list[st
                 "shows the offset) and re-run"
             )
     return problems
+
+
+# --- what the play collects ----------------------------------------------------------------------
+#
+# playbooks/tasks/cluster-preflight.yml collects, per host of the run, a dict (``collected[host]``):
+#
+#   cluster       the host's sparkfleet_plan.cluster: {} for a host in no cluster, else name, interface,
+#                 mtu, rdma, max_clock_skew_s, port, members ([{host, address, rank}], rank 0 the head), ...
+#   profile       sparkfleet_plan.profile.name
+# and, for a host in a cluster:
+#   env           sparkfleet_plan.service.env (what the node's vLLM gets)
+#   wheel, patch_set, revisions   sparkfleet_plan.vllm_version, .patchset_id, .model_revisions
+#   ip_link, ip_addr, ibdev2netdev   the outputs of `ip -d -j link show`, `ip -j addr show` and
+#                 `ibdev2netdev` (read only where the cluster has rdma): each the command's stdout, or its
+#                 registered result (rc, stdout, stderr, msg), whose failure is a refusal naming it
+#   clock         {before, node, after}: the controller's epoch seconds before and after reading the node's
+#                 `date +%s.%N` (node: its stdout, or the registered result); or the registered result of
+#                 two readings in a loop, each printing a line "sparkfleet-clock <controller's> <node's>":
+#                 the second's controller time closes the window of the first (CLOCK_LINE)
+#   reached       the peer addresses that answered a ping out of the interface; or
+#   pings         the ping loop's registered results (item: the address; rc 0: it answered)
+
+# The cluster settings every member's plan must agree on (besides its members), and the inventory
+# variable behind each.
+CLUSTER_SETTINGS = {
+    "interface": "sparkfleet_cluster_interface",
+    "mtu": "sparkfleet_cluster_mtu",
+    "rdma": "sparkfleet_cluster_rdma",
+    "max_clock_skew_s": "sparkfleet_cluster_max_clock_skew_s",
+    "port": "sparkfleet_cluster_port",
+}
+_CLUSTER_KEYS = ("name", "interface", "mtu", "rdma", "max_clock_skew_s", "members")
+_NODE_KEYS = ("env", "wheel", "patch_set", "revisions", "ip_link", "ip_addr", "clock")
+
+
+# One clock reading: the controller's epoch seconds as the command left it, then the node's `date +%s.%N`.
+CLOCK_LINE = re.compile(r"^sparkfleet-clock (?P<controller>\S+) (?P<node>\S+)$", re.MULTILINE)
+
+
+def check_collected(collected: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Every cluster of ``collected`` ({host: what the play collected on it}) judged whole: one line per refusal.
+
+    Hosts are grouped by their plan's cluster name and ordered by rank (the head first). A cluster is
+    refused, before its link is looked at, when its members' plans disagree on its settings, when it has
+    one member, or when a member is not in ``collected`` (the run left it out or lost it). A command that
+    failed or printed what the parsers cannot read is a line naming the host; otherwise the lines are
+    ``check_cluster``'s. Hosts in no cluster are refused nothing. A malformed ``collected`` (not what the
+    play builds) raises ClusterLinkError.
+    """
+    problems: list[str] = []
+    for name, hosts in _clusters(collected).items():
+        problems += _check_one_cluster(name, hosts, collected)
+    return problems
+
+
+def collected_summary(collected: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """What a run whose ``check_collected`` is empty says: one line per cluster, then the hosts in none."""
+    lines = []
+    for name, hosts in _clusters(collected).items():
+        cluster = collected[hosts[0]]["cluster"]
+        size = len(cluster["members"])
+        lines.append(f"cluster {name}: link preflight passed ({size} nodes on {cluster['interface']})")
+    alone = [host for host, data in collected.items() if not data["cluster"]]
+    if alone:
+        lines.append(f"in no cluster (their plans serve them alone), nothing to check: {', '.join(alone)}")
+    return lines
+
+
+def ping_targets(host: str, cluster: Mapping[str, Any], ip_addrs: Mapping[str, Any]) -> list[str]:
+    """The addresses ``host`` pings: each other member's planned address, and every IPv4 address it has
+    on the cluster interface by its ``ip -j addr show`` (``ip_addrs``: {member: output or registered
+    result}; a member without one, or one that cannot be read, gives its planned address alone), in rank
+    order, each once."""
+    _check_cluster_part(host, cluster)
+    interface = cluster["interface"]
+    targets: list[str] = []
+    for member in _ranked(cluster["members"]):
+        if member["host"] == host:
+            continue
+        found = [str(member["address"])]
+        try:
+            text = _output(member["host"], ip_addrs.get(member["host"]), "ip -j addr show")
+            found += [str(address.ip) for address in parse_ip_addr(text).get(interface, ())]
+        except ClusterLinkError:
+            pass  # check_collected names what is wrong with it
+        targets += [address for address in dict.fromkeys(found) if address not in targets]
+    return targets
+
+
+def _clusters(collected: Mapping[str, Mapping[str, Any]]) -> dict[str, list[str]]:
+    """{cluster name: its hosts in ``collected``}, in the order ``collected`` first names each cluster."""
+    if not isinstance(collected, Mapping):
+        raise ClusterLinkError(f"collected must be a mapping of host to its collected facts, got {_short(collected)}")
+    clusters: dict[str, list[str]] = {}
+    for host, data in collected.items():
+        if not isinstance(data, Mapping) or not isinstance(data.get("cluster", None), Mapping):
+            raise ClusterLinkError(f"collected[{host!r}] must be a mapping with a cluster mapping, got {_short(data)}")
+        if data["cluster"]:
+            _check_cluster_part(host, data["cluster"])
+            missing = [key for key in _NODE_KEYS if key not in data]
+            if missing:
+                raise ClusterLinkError(f"collected[{host!r}] lacks {', '.join(missing)}: collect them on {host}")
+            clusters.setdefault(str(data["cluster"]["name"]), []).append(str(host))
+    return clusters
+
+
+def _check_cluster_part(host: str, cluster: Mapping[str, Any]) -> None:
+    missing = [key for key in _CLUSTER_KEYS if key not in cluster]
+    if missing:
+        raise ClusterLinkError(f"{host}'s plan's cluster lacks {', '.join(missing)}: plan it with resolve-profile.yml")
+    members = cluster["members"]
+    if not isinstance(members, Sequence) or not all(
+        isinstance(member, Mapping) and {"host", "address", "rank"} <= set(member) for member in members
+    ):
+        raise ClusterLinkError(f"{host}'s plan's cluster members must be [{{host, address, rank}}], got {members!r}")
+
+
+def _ranked(members: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return sorted(members, key=lambda member: int(member["rank"]))
+
+
+def _members(cluster: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [(str(member["host"]), str(member["address"])) for member in _ranked(cluster["members"])]
+
+
+def _listed(cluster: Mapping[str, Any]) -> str:
+    return ", ".join(f"{host} ({address})" for host, address in _members(cluster))
+
+
+def _check_one_cluster(name: str, hosts: Sequence[str], collected: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    plans = {host: collected[host]["cluster"] for host in hosts}
+    # the head's plan is the reference where the head is here, else the plan of the lowest rank here
+    head = next((str(m["host"]) for m in _ranked(plans[hosts[0]]["members"]) if str(m["host"]) in plans), hosts[0])
+    reference = plans[head]
+    members = [str(member["host"]) for member in _ranked(reference["members"])]
+    problems = []
+    for host in hosts:
+        theirs = [str(member["host"]) for member in _ranked(plans[host]["members"])]
+        if host != head and _members(plans[host]) != _members(reference):
+            problems.append(
+                f"cluster {name}: {host}'s plan has the members {_listed(plans[host])} but {head}'s has "
+                f"{_listed(reference)}: plan every member from the same inventory (the group {name}, each "
+                "member's sparkfleet_cluster_address) and re-run"
+            )
+        differs = [key for key in CLUSTER_SETTINGS if plans[host].get(key) != reference.get(key)]
+        if host != head and differs:
+            problems.append(
+                f"cluster {name}: {host}'s plan has "
+                + ", ".join(f"{key} {plans[host].get(key)!r}" for key in differs)
+                + f" but {head}'s has "
+                + ", ".join(f"{reference.get(key)!r}" for key in differs)
+                + f": set {_and([CLUSTER_SETTINGS[key] for key in differs])} once for the cluster "
+                f"(group_vars/{name}.yml) and re-run"
+            )
+        if host not in theirs:
+            problems.append(
+                f"cluster {name}: {host}'s plan names the cluster but not {host} among its members "
+                f"({', '.join(theirs)}): put {host} in the group {name} and re-run"
+            )
+    if problems:
+        return problems
+    if len(members) < 2:
+        return [
+            f"cluster {name} has one member ({', '.join(members) or 'none'}): a cluster needs two or more: add the "
+            f"other Sparks to the group {name} and re-run"
+        ]
+    absent = [member for member in members if member not in collected]
+    if absent:
+        return [
+            f"cluster {name}: no link facts from {_and(absent)} (not in this run: a --limit left it out, it was "
+            "unreachable or it failed an earlier task): check the whole cluster at once (make cluster-check with "
+            "no LIMIT that splits it) and re-run"
+        ]
+    nodes, broken = [], []
+    for member in members:
+        try:
+            nodes.append(_collected_node(member, collected[member], bool(reference["rdma"])))
+        except ClusterLinkError as exc:
+            broken.append(str(exc))
+    problems = broken + [line for member in members if (line := _ping_did_not_run(member, collected[member]))]
+    if broken:
+        return problems
+    try:
+        return problems + check_cluster(
+            nodes,
+            str(reference["interface"]),
+            mtu=reference["mtu"],
+            max_clock_skew_s=reference["max_clock_skew_s"],
+            rdma=bool(reference["rdma"]),
+        )
+    except ClusterLinkError as exc:
+        return [*problems, f"cluster {name}: {exc}"]
+
+
+def _collected_node(host: str, data: Mapping[str, Any], rdma: bool) -> NodeFacts:
+    """NodeFacts from one host's collected data; a failed command or an unreadable output raises ClusterLinkError."""
+    ip_link = _output(host, data["ip_link"], "ip -d -j link show")
+    ip_addr = _output(host, data["ip_addr"], "ip -j addr show")
+    ibdev2netdev = ""
+    if rdma:
+        ibdev2netdev = _output(
+            host,
+            data.get("ibdev2netdev"),
+            "ibdev2netdev",
+            "install it (DGX OS ships it; mlnx-tools elsewhere), or set sparkfleet_cluster_rdma: false for a link "
+            "without RDMA, and re-run",
+        )
+    return node_facts(
+        host,
+        ip_link=ip_link,
+        ip_addr=ip_addr,
+        ibdev2netdev=ibdev2netdev,
+        env={str(key): str(value) for key, value in (data["env"] or {}).items()},
+        wheel=str(data["wheel"]),
+        patch_set=str(data["patch_set"]),
+        revisions={str(key): str(value) for key, value in (data["revisions"] or {}).items()},
+        profile=str(data["profile"]),
+        clock=_clock(host, data["clock"]),
+        reached=_reached(data),
+    )
+
+
+def _output(host: str, value: Any, command: str, fix: str = "") -> str:
+    """A command's stdout from either form the play passes; its failure, or no output at all, raises."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, Mapping):
+        raise ClusterLinkError(f"{host}: {command} was not run (got {_short(value)}): run cluster-preflight.yml")
+    rc = value.get("rc", 0)
+    if rc != 0 or value.get("failed"):
+        said = str(value.get("stderr") or value.get("msg") or value.get("stdout") or "no output").strip()
+        first = said.splitlines()[0] if said else "no output"
+        fix = fix or f"run {command} on {host} to see why, and re-run"
+        raise ClusterLinkError(f"{host}: {command} failed (rc {rc}: {first}): {fix}")
+    return str(value.get("stdout", ""))
+
+
+def _clock(host: str, clock: Any) -> ClockReading:
+    """The node's clock against the controller's: the middle of [before, after], half of it the uncertainty."""
+    if isinstance(clock, Mapping) and "results" in clock:
+        clock = _clock_from_readings(host, clock["results"])
+    if not isinstance(clock, Mapping) or not {"before", "node", "after"} <= set(clock):
+        raise ClusterLinkError(f"{host}: the clock reading must hold before, node and after, got {_short(clock)}")
+    text = _output(host, clock["node"], "date +%s.%N")
+    try:
+        before, node, after = float(clock["before"]), float(text.strip()), float(clock["after"])
+    except (TypeError, ValueError):
+        raise ClusterLinkError(
+            f"{host}: date +%s.%N printed {_short(text)}, not seconds since the epoch (or the controller's "
+            f"{clock['before']!r}, {clock['after']!r} are not): use GNU date (coreutils) and re-run"
+        ) from None
+    if after < before:
+        raise ClusterLinkError(
+            f"{host}: the controller's clock went back while reading {host}'s ({before} then {after}): re-run"
+        )
+    return ClockReading(node_s=node, controller_s=(before + after) / 2, uncertainty_s=(after - before) / 2)
+
+
+def _clock_from_readings(host: str, readings: Any) -> dict[str, str]:
+    """{before, node, after} from two CLOCK_LINE readings: the first's node time between both controller times."""
+    found = []
+    for reading in readings if isinstance(readings, Sequence) and not isinstance(readings, str) else ():
+        text = _output(host, reading, "date +%s.%N")
+        match = CLOCK_LINE.search(text)
+        if not match:
+            raise ClusterLinkError(
+                f"{host}: the clock reading printed {_short(text)}, not 'sparkfleet-clock <controller> <node>': "
+                "use GNU date (coreutils) and re-run"
+            )
+        found.append(match)
+    if len(found) < 2:
+        raise ClusterLinkError(f"{host}: the clock needs two readings, got {len(found)}: run cluster-preflight.yml")
+    return {"before": found[0]["controller"], "node": found[0]["node"], "after": found[1]["controller"]}
+
+
+def _reached(data: Mapping[str, Any]) -> frozenset[str]:
+    if "reached" in data:
+        return frozenset(str(address) for address in data["reached"] or ())
+    return frozenset(str(result.get("item")) for result in _pings(data) if result.get("rc") == 0)
+
+
+def _pings(data: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    pings = data.get("pings") or []
+    return [result for result in pings if isinstance(result, Mapping) and not result.get("skipped")]
+
+
+def _ping_did_not_run(host: str, data: Mapping[str, Any]) -> str | None:
+    """A line when ping itself could not run on the host (a ping that ran prints something, answer or not)."""
+    dead = [r for r in _pings(data) if r.get("rc") != 0 and not r.get("stdout") and not r.get("stderr")]
+    if not dead:
+        return None
+    said = str(dead[0].get("msg") or f"rc {dead[0].get('rc')}")
+    return f"{host}: ping did not run ({said}), so no peer could answer it: install iputils-ping on {host} and re-run"
 
 
 # --- helpers ---------------------------------------------------------------------------------------
