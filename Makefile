@@ -267,7 +267,7 @@ test-sandbox: setup sandbox-up ## Integration tests against the sandbox fleet (r
 	$(VENV)/bin/pytest -q -rs --durations=15 -m "sandbox and not gpu and not heavy" tests/sandbox tests/integration
 
 .PHONY: test-heavy
-test-heavy: setup sandbox-up ## The sandbox tests make test leaves out (heavy: tune, bench role, prefix caching, reboot, cut copy)
+test-heavy: setup sandbox-up ## The sandbox tests make test leaves out (heavy: tune, bench role, prefix caching, reboot, cut copy, a two-host cluster)
 	@date +"==> %T test-heavy"
 	$(VENV)/bin/pytest -q -rs --durations=15 -m "sandbox and heavy and not gpu" tests/integration
 

@@ -657,7 +657,7 @@ _NODE_KEYS = ("env", "wheel", "patch_set", "revisions", "ip_link", "ip_addr", "c
 
 
 # One clock reading: the controller's epoch seconds as the command left it, then the node's `date +%s.%N`.
-CLOCK_LINE = re.compile(r"^sparkfleet-clock (?P<controller>\S+) (?P<node>\S+)$", re.MULTILINE)
+CLOCK_LINE = re.compile(r"^sparkfleet-clock (?P<controller>\S+) (?P<node>\S+)\s*$", re.MULTILINE)
 
 
 def check_collected(collected: Mapping[str, Mapping[str, Any]]) -> list[str]:

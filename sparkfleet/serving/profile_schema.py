@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sparkfleet.build import wheel_build
-from sparkfleet.serving import startup, vllm_schema
+from sparkfleet.serving import cluster, startup, vllm_schema
 
 # Flags sparkfleet renders itself from other settings; a profile setting them would be a second value.
 OWNED_FLAGS = {
@@ -27,6 +27,7 @@ OWNED_FLAGS = {
     "port": "sparkfleet_api_port",
     "api-key": "sparkfleet_api_key (kept out of argv; Ansible Vault)",
     "speculative-config": "the profile's speculative: mapping (and drafter:)",
+    **cluster.OWNED_FLAGS,
 }
 # SpeculativeConfig fields sparkfleet fills in.
 OWNED_SPECULATIVE = {"model": "the profile's drafter (a key of sparkfleet_models)"}
@@ -236,6 +237,7 @@ PROFILE_KEYS = {
     "baselines": _numbers,
     "baselines_quick": _numbers,
     "reference_startup": startup.reference_problems,
+    "cluster": cluster.profile_problems,
 }
 
 

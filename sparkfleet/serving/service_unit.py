@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sparkfleet.serving import profiles, serving_state
+from sparkfleet.serving import cluster, profiles, serving_state
 
 MIB = 1024 * 1024
 # vllm_service_memory_max's size suffixes (1024-based)
@@ -62,6 +62,7 @@ INPUTS = (
     "limit_nofile",
     "devices",
     "memtotal_mb",
+    "cluster",
 )
 # The inventory variables behind the unit's settings (inventory/group_vars/all/sparkfleet.yml documents
 # each and sets the default): input key -> variable.
@@ -78,6 +79,19 @@ SETTINGS = {
     "devices": "vllm_service_devices",
 }
 FIREWALL_UNIT = "sparkfleet-vllm-firewall.service"
+# A cluster member's watchdog (files/bin/sparkfleet-cluster-watch): a lost member restarts the pair.
+WATCH_UNIT = "sparkfleet-cluster-watch.service"
+CLUSTER_WATCH = "sparkfleet-cluster-watch"
+# How often each member's watch probes, after how many failures in a row it restarts the node's server,
+# and how long after a (re)start it waits first. The head's probe is a completion that may queue behind
+# a full batch (3 x 15 s before it gives up); a worker's waits out the head's own restart and load.
+WATCH_TIMING = {
+    "head": {"interval": 15, "failures": 3, "grace": 60},
+    "worker": {"interval": 5, "failures": 3, "grace": 180},
+}
+# vLLM's API server and `vllm serve --headless` exit 0 when the engine or a worker dies: for a cluster
+# member that is a failure to restart from, not a clean stop (a stop systemd asked for is never restarted).
+CLUSTER_DIRECTIVES = ["RestartForceExitStatus=0"]
 
 
 class SpecError(ValueError):
@@ -177,9 +191,32 @@ def setting_errors(allowed: Any, extra: Any) -> list[str]:
     return errors
 
 
+def watch(
+    member: Mapping[str, Any], unit: str, libexec: str, host: str, port: int, model: str, env_file: str
+) -> dict[str, Any]:
+    """A cluster member's watchdog unit ({} outside a cluster): the head sends one-token completions
+    through every stage, a worker connects to the head's master port; a lost member restarts the node's
+    server (files/bin/sparkfleet-cluster-watch)."""
+    if not member:
+        return {}
+    argv = [f"{libexec}/{CLUSTER_WATCH}", "--unit", unit, "--role", str(member["role"])]
+    if member["role"] == "head":
+        argv += ["--url", serving_state.base_url(host, port), "--model", model, "--key-file", env_file]
+    else:
+        argv += ["--master", f"{member['master_addr']}:{member['port']}"]
+    argv += [f"--{key}={value}" for key, value in WATCH_TIMING[str(member["role"])].items()]
+    return {
+        "unit": WATCH_UNIT,
+        "role": str(member["role"]),
+        "cluster": str(member["name"]),
+        "argv": argv,
+        "exec_start": profiles.systemd_exec_args(argv),
+    }
+
+
 def spec(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Everything the unit file and state.json of ``inputs['profile']`` hold (the module docstring)."""
-    missing = [key for key in INPUTS if key not in inputs and key != "memtotal_mb"]
+    missing = [key for key in INPUTS if key not in inputs and key not in ("memtotal_mb", "cluster")]
     if missing:
         raise SpecError(f"the serving unit needs {', '.join(missing)}: build it with sparkfleet.serving.serving_plan")
     profile = inputs["profile"]
@@ -198,7 +235,11 @@ def spec(inputs: Mapping[str, Any]) -> dict[str, Any]:
     )
     argv = [f"{libexec}/{MEMORY_GUARD}", str(limits["guard_bytes"]), str(limits["floor_bytes"]), "--", *vllm]
     unit = serving_state.unit_name(name)
-    env = profiles.service_env(profile, cache_dir=inputs["cache_dir"], patchset_id=str(inputs["patchset_id"]))
+    member = dict(inputs.get("cluster") or {})
+    env = {
+        **profiles.service_env(profile, cache_dir=inputs["cache_dir"], patchset_id=str(inputs["patchset_id"])),
+        **cluster.env(member),
+    }
     env_file = f"{inputs['config_dir']}/vllm-{name}.env"
     port = int(inputs["port"])
     state = {
@@ -220,6 +261,15 @@ def spec(inputs: Mapping[str, Any]) -> dict[str, Any]:
         "host": str(inputs["host"]),
         "port": port,
     }
+    if member:
+        # which cluster this node serves in, and as what (health and ops read it)
+        state["cluster"] = {
+            "name": member["name"],
+            "role": member["role"],
+            "rank": member["rank"],
+            "head": member["head"],
+            "members": [entry["host"] for entry in member["members"]],
+        }
     serving_state.check(state, f"the {name} unit's state")
     errors += setting_errors(inputs["allowed_clients"] or [], inputs["extra_directives"] or {})
     clients = inputs["allowed_clients"] or []
@@ -259,8 +309,11 @@ def spec(inputs: Mapping[str, Any]) -> dict[str, Any]:
         "requires": [str(inputs["firewall_unit"])] if allowed else [],
         "exposed": exposed,
         "allowed_from": "loopback and the allowed clients" if allowed else "loopback",
-        "ip_address_allow": ["localhost"] + ([" ".join(allowed) or "any"] if exposed else []),
-        "directives": directives(extra or {}),
+        "ip_address_allow": ["localhost"]
+        + ([" ".join(allowed) or "any"] if exposed else [])
+        # the cluster's members reach each other on the link (vLLM's master port, Gloo and NCCL sockets)
+        + ([" ".join(entry["address"] for entry in member["members"])] if member else []),
+        "directives": directives(extra or {}) + (CLUSTER_DIRECTIVES if member else []),
         "timeout_start_s": int(inputs["start_timeout"]) + START_TIMEOUT_MARGIN_S,
         "argv": argv,
         "exec_start": profiles.systemd_exec_args(argv),
@@ -269,7 +322,13 @@ def spec(inputs: Mapping[str, Any]) -> dict[str, Any]:
         "env_file": env_file,
         "memory": limits,
         "probe_host": serving_state.probe_host(inputs["host"]),
-        "health_url": f"{serving_state.base_url(inputs['host'], port)}/health",
+        # a cluster's worker serves no API: nothing to poll (the head's health covers the pair)
+        "health_url": ""
+        if member.get("role") == "worker"
+        else f"{serving_state.base_url(inputs['host'], port)}/health",
+        "cluster": member,
+        "watch_unit": WATCH_UNIT,
+        "watch": watch(member, unit, libexec, inputs["host"], port, str(inputs["served_model_name"]), env_file),
         "state": state,
         "errors": errors,
     }

@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sparkfleet.serving import model_pins, profiles, service_unit, serving_state
+from sparkfleet.serving import cluster, model_pins, profiles, service_unit, serving_state
 
 # The inventory variables a plan reads besides the profile layers (profiles.LAYER_VARIABLES).
 VARIABLES = (
@@ -54,6 +54,8 @@ VARIABLES = (
     *service_unit.SETTINGS.values(),
     # the host's MemTotal, when the play gathered facts (vllm_service_memory_max: auto)
     "ansible_facts",
+    # a cluster's (sparkfleet.serving.cluster); the lookup adds its members' addresses
+    *cluster.VARIABLES,
 )
 
 
@@ -78,6 +80,16 @@ def from_lookup(
     known = {name: template(variables[name]) for name in names if name in (variables or {})}
     if "sparkfleet_profiles_builtin" not in known:
         raise PlanError("sparkfleet_profiles_builtin is not defined: is inventory/group_vars/all linked?")
+    if known.get("sparkfleet_cluster") and cluster.MEMBERS in names and variables:
+        try:
+            known[cluster.MEMBERS] = cluster.members_from(
+                variables.get("groups") or {},
+                variables.get("hostvars") or {},
+                str(known["sparkfleet_cluster"]),
+                template,
+            )
+        except cluster.ClusterError as error:
+            raise PlanError(str(error)) from error
     return [build(known, str(terms[0]), **options)]
 
 
@@ -153,6 +165,7 @@ def service_inputs(variables: Mapping[str, Any], plan: Mapping[str, Any]) -> dic
         "firewall_unit": service_unit.FIREWALL_UNIT,
         **{key: variables[name] for key, name in service_unit.SETTINGS.items()},
         "memtotal_mb": memtotal_mb(variables),
+        "cluster": plan.get("cluster") or {},
     }
 
 
@@ -169,6 +182,11 @@ def build(variables: Mapping[str, Any], name: str, speculative_tokens: Any = Non
         if not str(speculative_tokens).isdigit():
             raise PlanError(f"num_speculative_tokens {speculative_tokens!r} is not a whole number: give one such as 8")
         resolved = profiles.with_speculative_tokens(resolved, int(speculative_tokens))
+    try:
+        cluster_part = cluster.part(variables, resolved)
+    except cluster.ClusterError as error:
+        raise PlanError(str(error)) from error
+    resolved = cluster.apply(resolved, cluster_part)
     models = model_pins.apply_pins(variables.get("sparkfleet_models") or {}, variables.get(model_pins.PINS_VARIABLE))
     target_key = str(resolved["target"])
     drafter_key = str(resolved.get("drafter") or "")
@@ -201,6 +219,7 @@ def build(variables: Mapping[str, Any], name: str, speculative_tokens: Any = Non
         "patchset_id": str(wheel.get("patchset_id", "")),
         "disk_gib": (target.get("size_gib") or 0) + (drafter.get("size_gib") or 0),
         "api": api(variables),
+        "cluster": cluster_part,
     }
     try:
         plan["service"] = service_unit.spec(service_inputs(variables, plan))

@@ -34,6 +34,7 @@ SCHEMA: dict[str, tuple[type, bool]] = {
     "drafter_path": (str, False),
     "model_revisions": (dict, False),
     "startup": (dict, False),
+    "cluster": (dict, False),
 }
 
 # bind addresses that mean "every address": a probe on the host itself asks loopback

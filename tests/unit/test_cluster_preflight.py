@@ -23,20 +23,13 @@ import yaml
 
 from sparkfleet.fleet import cluster_link as cl
 from tests.unit.helpers import ROOT, local_host, needs_ansible_playbook, run, run_playbook, write_play
+from tests.unit.test_cluster_link import output
 
 FIXTURES = ROOT / "tests" / "fixtures" / "cluster"
 HOSTS = ("spark-a", "spark-b")
 IFACE = "enp1s0f0np0"
 ADDRESSES = {"spark-a": "192.168.100.10", "spark-b": "192.168.100.11"}
 STACK = ("env", "wheel", "patch_set", "revisions", "profile")
-
-
-def output(scenario: str, host: str, name: str) -> str:
-    """A scenario's own output for the host, else the healthy pair's (as tests/unit/test_cluster_link.py)."""
-    path = FIXTURES / scenario / host / name
-    if not path.exists():
-        path = FIXTURES / "healthy" / host / name
-    return path.read_text(encoding="utf-8")
 
 
 def facts(scenario: str) -> dict[str, dict[str, Any]]:
@@ -263,6 +256,13 @@ def test_two_readings_put_the_first_node_time_between_both_controller_times() ->
         "spark-a and spark-b clocks differ by 2.500 s (±0.040 s), more than 1 s: turn on NTP on every node "
         "(timedatectl set-ntp true; chronyc tracking shows the offset) and re-run"
     ]
+
+
+def test_a_reading_through_ssh_with_a_terminal_ends_its_line_in_crlf() -> None:
+    """raw over ssh (a pty) gives "...\r\n": the reading is the same (the sandbox pair showed it)."""
+    crlf = {"results": [result(f"sparkfleet-clock {c} {n}\r\n") for c, n in ((100.0, 105.55), (100.2, 105.8))]}
+    reading = cl._clock("spark-a", crlf)
+    assert (reading.node_s, reading.uncertainty_s) == (105.55, pytest.approx(0.1))
 
 
 @pytest.mark.parametrize(

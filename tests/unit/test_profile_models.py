@@ -257,8 +257,16 @@ def test_required_memory_below_a_nodes_share_of_the_weights_is_refused_naming_th
 
 
 def test_every_shipped_profile_asks_for_at_least_its_weights() -> None:
+    """A single-node profile holds all its weights; a cluster profile one node's share on the smallest
+    cluster (two)."""
+    from sparkfleet.serving import cluster
+
     for name in SHARED["sparkfleet_profiles_builtin"]:
-        assert profiles.memory_share_error(resolve(name), MODELS) is None, name
+        resolved = resolve(name)
+        if resolved.get("cluster"):
+            flag = cluster.PARALLEL[resolved["cluster"]["parallel"]]
+            resolved = {**resolved, "serve_args": {**resolved["serve_args"], flag: 2}}
+        assert profiles.memory_share_error(resolved, MODELS) is None, name
 
 
 @needs_ansible_playbook

@@ -61,7 +61,10 @@ BAD = {
         {"serve_args": {"enable-prefix-caching": "yes"}},
         ["enable-prefix-caching", "true, false or null", "'yes'"],
     ),
-    "store-true-flag-false": ({"serve_args": {"headless": False}}, ["--headless has no --no-headless", "null"]),
+    "store-true-flag-false": (
+        {"serve_args": {"disable-log-stats": False}},
+        ["--disable-log-stats has no --no-disable-log-stats", "null"],
+    ),
     "value-flag-given-true": ({"serve_args": {"max-num-seqs": True}}, ["--max-num-seqs takes a value", "True"]),
     "int-flag-given-text": ({"serve_args": {"max-num-seqs": "four"}}, ["--max-num-seqs takes an integer", "'four'"]),
     "float-flag-given-text": (

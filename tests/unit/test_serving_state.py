@@ -33,7 +33,7 @@ def slurp(state: dict[str, Any]) -> dict[str, Any]:
 
 def test_what_the_role_writes_passes_the_schema_and_names_its_revisions() -> None:
     view = serving_state.from_slurp(slurp(written()), "spark-01")
-    assert set(serving_state.SCHEMA) - {"startup"} <= set(view)
+    assert set(serving_state.SCHEMA) - {"startup", "cluster"} <= set(view)  # a single-node profile: no cluster
     assert view["revisions"] == {"model": TARGET_REV, "drafter": DRAFTER_REV}
     assert view["probe"] == {"host": "127.0.0.1", "port": 8000, "url": "http://127.0.0.1:8000"}
 

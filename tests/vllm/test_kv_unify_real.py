@@ -1345,7 +1345,7 @@ PROFILES_FILE = REPO_ROOT / "inventory" / "group_vars" / "all" / "profiles.yml"
 
 
 def profile_pool_cases() -> list[Case]:
-    """The shipped profiles (and the dflash profile with the newer drafter revision) at their own n,
+    """The shipped single-node profiles (and the dflash profile with the newer drafter revision) at their own n,
     prefix caching and 262,144-token context, planned with the GB10 log's KV cache size."""
     import yaml
 
@@ -1355,6 +1355,8 @@ def profile_pool_cases() -> list[Case]:
     kv_bytes = int(GB10_LOG_KV_GIB * (1 << 30))
     cases = []
     for name, profile in data["sparkfleet_profiles_builtin"].items():
+        if profile.get("cluster"):  # one rank's share across a cluster: docs/cluster.md
+            continue
         args = {**common, **(profile.get("serve_args") or {})}
         n = (profile.get("speculative") or {}).get("num_speculative_tokens", 0)
         revisions = ["6c7242c", "bce6f76"] if name == "dflash" else ["6c7242c"] if profile.get("drafter") else [None]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -55,6 +56,12 @@ def test_vllm_s_own_parser_refuses_what_the_schema_refuses(argv: list[str], word
         assert word in problems[0], problems[0]
 
 
+def yaml_load(path: Path) -> Any:
+    import yaml
+
+    return yaml.safe_load(path.read_text())
+
+
 def test_every_shipped_profile_parses_with_vllm_s_own_parser() -> None:
     import yaml
 
@@ -70,6 +77,21 @@ def test_every_shipped_profile_parses_with_vllm_s_own_parser() -> None:
             ["--speculative-config", spec] if spec else []
         )
         assert vllm_schema.check_argv(argv) == [], name
+
+
+def test_every_cluster_profile_parses_with_vllm_s_own_parser_on_head_and_worker() -> None:
+    """vLLM 0.23's serve parser takes what a cluster adds: the parallel size, --nnodes, --node-rank,
+    --master-addr, --master-port and the worker's --headless (sparkfleet.serving.cluster)."""
+    from sparkfleet.serving import serving_plan
+    from tests.unit.test_cluster_plan import variables
+
+    shared = yaml_load(ROOT / "inventory/group_vars/all/profiles.yml")
+    names = [name for name, spec in shared["sparkfleet_profiles_builtin"].items() if spec.get("cluster")]
+    assert names
+    for name in names:
+        for host in ("spark-a", "spark-b"):
+            argv = serving_plan.build(variables(host), name)["service"]["argv"]
+            assert "--nnodes" in argv and vllm_schema.check_argv(argv[argv.index("serve") + 1 :]) == [], (name, host)
 
 
 def test_profile_check_cli_runs_the_deeper_check_with_a_vllm_python(tmp_path: Path) -> None:
