@@ -122,27 +122,37 @@ def part(variables: Mapping[str, Any], resolved: Mapping[str, Any]) -> dict[str,
         raise ClusterError(
             f"cluster {name!r}: sparkfleet_cluster_port {port!r} is not a TCP port: give one such as 29501"
         )
+    return layout(
+        name,
+        host,
+        {member: str(address) for member, address in members.items()},
+        interface=interface,
+        mtu=int(settings["sparkfleet_cluster_mtu"]),
+        rdma=bool(settings["sparkfleet_cluster_rdma"]),
+        max_clock_skew_s=float(settings["sparkfleet_cluster_max_clock_skew_s"]),
+        ib_hca=str(settings["sparkfleet_cluster_ib_hca"] or ""),
+        port=int(port),
+        parallel=str(resolved["cluster"]["parallel"]),
+    )
+
+
+def layout(name: str, host: str, members: Mapping[str, str], **settings: Any) -> dict[str, Any]:
+    """The cluster part of ``host`` in cluster ``name`` of ``members`` ({host: address}, the head first)
+    with the cluster's ``settings`` (interface, mtu, rdma, max_clock_skew_s, ib_hca, port, parallel)."""
     ordered = [
-        {"host": member, "address": str(address), "rank": rank}
-        for rank, (member, address) in enumerate(members.items())
+        {"host": member, "address": address, "rank": rank} for rank, (member, address) in enumerate(members.items())
     ]
-    rank = next(entry["rank"] for entry in ordered if entry["host"] == host)
+    rank = list(members).index(host)
     return {
         "name": name,
-        "interface": interface,
-        "mtu": int(settings["sparkfleet_cluster_mtu"]),
-        "rdma": bool(settings["sparkfleet_cluster_rdma"]),
-        "max_clock_skew_s": float(settings["sparkfleet_cluster_max_clock_skew_s"]),
-        "ib_hca": str(settings["sparkfleet_cluster_ib_hca"] or ""),
-        "port": int(port),
+        **settings,
         "members": ordered,
         "head": ordered[0]["host"],
         "rank": rank,
         "role": "head" if rank == 0 else "worker",
         "size": len(ordered),
         "master_addr": ordered[0]["address"],
-        "address": str(members[host]),
-        "parallel": str(resolved["cluster"]["parallel"]),
+        "address": members[host],
     }
 
 

@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from sparkfleet.fleet import cluster_link as cl
+from sparkfleet.serving import cluster
 from tests.unit.helpers import ROOT, local_host, needs_ansible_playbook, run, run_playbook, write_play
 from tests.unit.test_cluster_link import output
 
@@ -43,26 +44,8 @@ def facts(scenario: str) -> dict[str, dict[str, Any]]:
 
 def cluster_part(host: str, members: dict[str, str], name: str = "pair", **settings: Any) -> dict[str, Any]:
     """sparkfleet_plan.cluster for ``host`` of the cluster ``members`` ({host: address}, head first)."""
-    ranked = [
-        {"host": member, "address": address, "rank": rank} for rank, (member, address) in enumerate(members.items())
-    ]
-    rank = list(members).index(host)
-    return {
-        "name": name,
-        "interface": IFACE,
-        "mtu": 9000,
-        "rdma": True,
-        "max_clock_skew_s": 1.0,
-        "port": 29501,
-        **settings,
-        "members": ranked,
-        "head": ranked[0]["host"],
-        "rank": rank,
-        "role": "head" if rank == 0 else "worker",
-        "size": len(ranked),
-        "master_addr": ranked[0]["address"],
-        "address": members[host],
-    }
+    defaults = {"interface": IFACE, "mtu": 9000, "rdma": True, "max_clock_skew_s": 1.0, "port": 29501}
+    return cluster.layout(name, host, members, **{**defaults, **settings})
 
 
 def collected(scenario: str = "healthy", hosts: tuple[str, ...] = HOSTS, **settings: Any) -> dict[str, dict[str, Any]]:
@@ -359,7 +342,7 @@ def test_check_cluster_keeps_its_defaults_and_rdma_false_skips_the_hca_check_alo
 
 
 def filters() -> dict[str, Any]:
-    spec = importlib.util.spec_from_file_location("cluster_link_filters", ROOT / "filter_plugins/cluster_link.py")
+    spec = importlib.util.spec_from_file_location("sparkfleet_filters", ROOT / "filter_plugins/sparkfleet_filters.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
