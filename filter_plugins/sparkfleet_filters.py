@@ -11,6 +11,7 @@ from ansible.errors import AnsibleFilterError
 # sparkfleet is installed in the controller venv (make venv), where ansible-playbook runs
 from sparkfleet.fleet import cluster_link as _cluster_link
 from sparkfleet.fleet import doctor as _doctor
+from sparkfleet.serving import cluster as _cluster
 from sparkfleet.serving import profiles as _profiles
 from sparkfleet.serving import serving_state as _serving_state
 from sparkfleet.serving import unit_state as _unit_state
@@ -130,6 +131,15 @@ def sparkfleet_cluster_ping_targets(cluster: Mapping[str, Any], host: str, ip_ad
         raise AnsibleFilterError(f"sparkfleet_cluster_ping_targets: {exc}") from exc
 
 
+def sparkfleet_serve_batches(hosts: list[str], clusters: Mapping[str, Any], serial: Any) -> dict[str, Any]:
+    """``ansible_play_hosts_all | sparkfleet_serve_batches({host: its plan's cluster}, serial)``: the serving
+    play's host order and batch sizes, every cluster in one batch (sparkfleet.serving.cluster.batches)."""
+    try:
+        return _cluster.batches(_plain(hosts), _plain(clusters or {}), _plain(serial))
+    except _cluster.ClusterError as exc:
+        raise AnsibleFilterError(str(exc)) from exc
+
+
 def _plain(value: Any) -> Any:
     """Ansible's tagged or lazy containers and strings as plain dicts, lists and str."""
     if isinstance(value, Mapping):
@@ -153,6 +163,7 @@ class FilterModule:
             "sparkfleet_cluster_check": sparkfleet_cluster_check,
             "sparkfleet_cluster_summary": sparkfleet_cluster_summary,
             "sparkfleet_cluster_ping_targets": sparkfleet_cluster_ping_targets,
+            "sparkfleet_serve_batches": sparkfleet_serve_batches,
             "sparkfleet_unit_name": sparkfleet_unit_name,
             "sparkfleet_doctor": sparkfleet_doctor,
             "sparkfleet_doctor_row": sparkfleet_doctor_row,

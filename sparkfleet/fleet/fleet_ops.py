@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from sparkfleet.serving import serving_state, startup, unit_state
+from sparkfleet.serving import cluster, serving_state, startup, unit_state
 
 DEFAULT_INVENTORY = "inventory/sandbox"
 DEFAULT_HOST_PATTERN = "spark"  # the group the playbooks target (sparkfleet_hosts defaults to it)
@@ -669,7 +669,12 @@ def status_row(host: FleetHost, probe: dict[str, Any]) -> tuple[bool, dict[str, 
         if not described.running:
             problems.append(described.text)
     served_name = str(state.get("served_model_name") or host.served_model_name)
-    healthy, health_text = health_summary(probe, served_name)
+    member = served_cluster(probe)
+    if member.get("role") == "worker":
+        # a worker serves no API: its part is its unit; its head's health is the cluster's (whole_clusters)
+        healthy, health_text = True, f"worker of {member.get('name')}"
+    else:
+        healthy, health_text = health_summary(probe, served_name)
     model, drafter = served_revisions(state)
     row = {
         "host": host.name,
@@ -731,6 +736,108 @@ def print_status(outcomes: Sequence[HostOutcome], as_json: bool) -> None:
     problems = [o for o in outcomes if not o.ok and "row" in o.data]
     for outcome in problems:
         print(f"{outcome.host}: {outcome.line}", file=sys.stderr)
+
+
+# --------------------------------------------------------------------------------------- clusters
+# A cluster (docs/cluster.md) serves one model on all its members: ops takes it whole. Whatever -l names,
+# every member of a cluster a named host serves in joins the run (state.json's "cluster" says which),
+# status judges the members together, restart restarts them in one batch, bench runs through the head.
+
+
+def served_cluster(probe: dict[str, Any] | None) -> dict[str, Any]:
+    """The cluster a probed host serves in (state.json's "cluster": name, role, head, members), else {}."""
+    state = (probe or {}).get("state")
+    member = state.get("cluster") if isinstance(state, dict) else None
+    return member if isinstance(member, dict) and member.get("name") else {}
+
+
+def survey(
+    hosts: list[FleetHost], forks: int, connect: Callable[[FleetHost], Any], everyone: Callable[[], list[FleetHost]]
+) -> tuple[list[FleetHost], list[HostOutcome], list[str]]:
+    """Probe ``hosts`` (status_operation), then every member of their clusters that ``hosts`` leaves out
+    (``everyone()``: the inventory's hosts without -l). Returns the hosts and their status outcomes in
+    inventory order, and one line per member that joined or that the inventory lacks."""
+    outcomes = run_on_hosts(hosts, status_operation, forks, connect)
+    named = {host.name for host in hosts}
+    wanted: dict[str, str] = {}
+    for outcome in outcomes:
+        member = served_cluster(outcome.data.get("probe"))
+        for other in member.get("members") or []:
+            if str(other) not in named:
+                wanted.setdefault(str(other), str(member["name"]))
+    if not wanted:
+        return hosts, outcomes, []
+    inventory = everyone()
+    known = {host.name: host for host in inventory}
+    added = [known[name] for name in wanted if name in known]
+    lines = [
+        f"{name} joins the run: it serves in cluster {group} with a host the run names"
+        if name in known
+        else f"{name} of cluster {group} is not a host of the inventory's group: it is not checked"
+        for name, group in wanted.items()
+    ]
+    outcomes += run_on_hosts(added, status_operation, forks, connect)
+    place = {host.name: index for index, host in enumerate(inventory)}
+    pairs = sorted(zip([*hosts, *added], outcomes, strict=True), key=lambda pair: place.get(pair[0].name, len(place)))
+    return [host for host, _ in pairs], [outcome for _, outcome in pairs], lines
+
+
+def whole_clusters(outcomes: Sequence[HostOutcome]) -> list[HostOutcome]:
+    """Status outcomes with each cluster judged whole: a worker's health is its head's, and a member that
+    is not serving, not checked or not serving in the cluster its head names fails every member, each
+    line naming it."""
+    by_host = {outcome.host: outcome for outcome in outcomes}
+    clusters: dict[str, list[str]] = {}
+    heads: dict[str, str] = {}
+    for outcome in outcomes:
+        member = served_cluster(outcome.data.get("probe"))
+        if member:
+            clusters.setdefault(str(member["name"]), []).append(outcome.host)
+            heads.setdefault(str(member["name"]), str(member.get("head")))
+    judged = dict(by_host)
+    for name, found in clusters.items():
+        head = by_host.get(heads[name])
+        listed = served_cluster(head.data.get("probe")).get("members") if head else None
+        problems: dict[str, str] = {}
+        for member in dict.fromkeys([heads[name], *[str(m) for m in listed or []], *found]):
+            outcome = by_host.get(member)
+            if outcome is None:
+                problems[member] = f"{member} not checked"
+            elif "probe" not in outcome.data:
+                problems[member] = f"{member} not probed ({outcome.line})"
+            elif served_cluster(outcome.data.get("probe")).get("name") != name:
+                problems[member] = f"{member} does not serve in it"
+            elif not outcome.ok:
+                problems[member] = f"{member} is not serving"
+        head_health = head.data["row"]["health"] if head and "row" in head.data else "not checked"
+        for host in found:
+            outcome = judged[host]
+            data = outcome.data
+            if "row" in data and host != heads[name]:
+                data = {**data, "row": {**data["row"], "health": f"{head_health} (via {heads[name]})"}}
+            others = [text for member, text in problems.items() if member != host]
+            line = "; ".join(filter(None, [outcome.line, f"cluster {name}: {'; '.join(others)}" if others else ""]))
+            judged[host] = dataclasses.replace(outcome, ok=outcome.ok and not problems, line=line, data=data)
+    return [judged[outcome.host] for outcome in outcomes]
+
+
+def cluster_batches(
+    hosts: Sequence[FleetHost], outcomes: Sequence[HostOutcome], batch: int
+) -> tuple[list[FleetHost], list[int]]:
+    """``hosts`` reordered so that each cluster's members are together, and the batch sizes for
+    ``run_in_batches`` that keep each cluster in one batch (sparkfleet.serving.cluster.batches); a line on
+    stderr for a cluster larger than ``batch``."""
+    parts = {}
+    for outcome in outcomes:
+        member = served_cluster(outcome.data.get("probe"))
+        if member:
+            parts[outcome.host] = {"name": member["name"], "members": [{"host": m} for m in member.get("members", [])]}
+    planned = cluster.batches([host.name for host in hosts], parts, batch if batch > 0 else 0)
+    for line in planned["lines"]:
+        print(line, file=sys.stderr)
+    by_name = {host.name: host for host in hosts}
+    sizes = planned["serial"]
+    return [by_name[name] for name in planned["order"]], sizes if isinstance(sizes, list) else [int(sizes)]
 
 
 # ------------------------------------------------------------------------------------------- logs
@@ -801,18 +908,27 @@ def restart_operation(timeout: float) -> HostOperation:
 
 
 def run_in_batches(
-    hosts: Sequence[FleetHost], operation: HostOperation, batch: int, forks: int, connect: Callable[[FleetHost], Any]
+    hosts: Sequence[FleetHost],
+    operation: HostOperation,
+    batch: int | Sequence[int],
+    forks: int,
+    connect: Callable[[FleetHost], Any],
 ) -> list[HostOutcome]:
-    """Batches of ``batch`` hosts (0 = all at once); a failed batch stops the rest (they are reported skipped)."""
-    size = len(hosts) if batch <= 0 else batch
+    """Batches of ``batch`` hosts (0 = all at once; a list: each batch's size, the last one repeated); a
+    failed batch stops the rest (they are reported skipped)."""
+    sizes = list(batch) if isinstance(batch, Sequence) else [batch]
     outcomes: list[HostOutcome] = []
-    for start in range(0, len(hosts), size):
-        group = hosts[start : start + size]
+    start = number = 0
+    while start < len(hosts):
+        size = sizes[min(number, len(sizes) - 1)]
+        group = hosts[start:] if size <= 0 else hosts[start : start + size]
+        start += len(group)
+        number += 1
         if outcomes and not all(o.ok for o in outcomes):
             outcomes.extend(HostOutcome(h.name, False, "skipped: an earlier batch failed") for h in group)
             continue
         names = ", ".join(h.name for h in group)
-        print(f"batch {start // size + 1}: {names}", file=sys.stderr, flush=True)
+        print(f"batch {number}: {names}", file=sys.stderr, flush=True)
         outcomes.extend(run_on_hosts(group, operation, forks, connect, progress=True))
     return outcomes
 
@@ -926,6 +1042,11 @@ def bench_command(host: FleetHost, probe: dict[str, Any], options: BenchOptions,
 def bench_operation(options: BenchOptions, stamp: str) -> HostOperation:
     def operation(host: FleetHost, connection: Any) -> HostOutcome:
         probe = probe_host(host, connection)
+        member = served_cluster(probe)
+        if member.get("role") == "worker":
+            return HostOutcome(
+                host.name, True, f"worker of {member['name']}: benchmarked through its head {member['head']}"
+            )
         healthy, health_text = health_summary(
             probe, str((probe.get("state") or {}).get("served_model_name") or host.served_model_name)
         )
@@ -994,23 +1115,36 @@ def run_command(args: argparse.Namespace, connect: Callable[[FleetHost], Any] = 
     try:
         if args.forks < 1:
             raise OpsError(f"--forks {args.forks}: use 1 or more")
+        if args.ops_command == "logs" and args.lines < 1:
+            raise OpsError(f"--lines {args.lines}: use 1 or more")
+        if args.ops_command == "restart" and args.timeout <= 0:
+            raise OpsError(f"--timeout {args.timeout}: use a positive number of seconds")
+        if args.ops_command == "bench" and (args.max_requests < 1 or args.max_tokens_scale <= 0):
+            raise OpsError("--max-requests must be >= 1 and --max-tokens-scale > 0")
         hosts = with_become_password(load_fleet(args.inventory, args.limit, args.hosts), args)
+        password = next((host.become_password for host in hosts if host.become_password), None)
+
+        def everyone() -> list[FleetHost]:
+            return [
+                dataclasses.replace(host, become_password=password) if host.become and password else host
+                for host in load_fleet(args.inventory, None, args.hosts)
+            ]
+
+        # every member of a cluster a named host serves in joins the run; status judges each cluster whole
+        hosts, surveyed, joined = survey(hosts, args.forks, connect, everyone)
+        for line in joined:
+            print(line, file=sys.stderr)
         if args.ops_command == "status":
-            outcomes = run_on_hosts(hosts, status_operation, args.forks, connect)
+            outcomes = whole_clusters(surveyed)
             print_status(outcomes, args.json)
         elif args.ops_command == "logs":
-            if args.lines < 1:
-                raise OpsError(f"--lines {args.lines}: use 1 or more")
             outcomes = run_on_hosts(hosts, logs_operation(args.lines, args.since), args.forks, connect)
             print_outcomes(outcomes)
         elif args.ops_command == "restart":
-            if args.timeout <= 0:
-                raise OpsError(f"--timeout {args.timeout}: use a positive number of seconds")
-            outcomes = run_in_batches(hosts, restart_operation(args.timeout), args.batch, args.forks, connect)
+            hosts, sizes = cluster_batches(hosts, surveyed, args.batch)
+            outcomes = run_in_batches(hosts, restart_operation(args.timeout), sizes, args.forks, connect)
             print_outcomes(outcomes)
         elif args.ops_command == "bench":
-            if args.max_requests < 1 or args.max_tokens_scale <= 0:
-                raise OpsError("--max-requests must be >= 1 and --max-tokens-scale > 0")
             options = BenchOptions(
                 workloads=args.workloads,
                 max_requests=args.max_requests,

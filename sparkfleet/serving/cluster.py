@@ -20,7 +20,7 @@ cluster's host serves that host alone (the cluster part is then ``{}``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from ipaddress import IPv4Address
 from typing import Any
 
@@ -185,3 +185,66 @@ def env(cluster: Mapping[str, Any]) -> dict[str, str]:
     if cluster["ib_hca"]:
         out["NCCL_IB_HCA"] = cluster["ib_hca"]
     return out
+
+
+def _batch_size(value: Any, total: int) -> int:
+    """One entry of Ansible's ``serial`` as a host count (its own rule: a percentage of every host of the
+    play rounded down, at least 1; 0 or less is every remaining host)."""
+    text = str(value).strip()
+    try:
+        if text.endswith("%"):
+            return int(int(text[:-1]) / 100.0 * total) or 1
+        return int(text)
+    except ValueError:
+        raise ClusterError(
+            f"batch size {value!r} is not a number of hosts: give one such as 1 or a percentage such as 25%"
+        ) from None
+
+
+def batches(hosts: Sequence[str], clusters: Mapping[str, Any], serial: Any) -> dict[str, Any]:
+    """The serving play's host order and batch sizes when a cluster changes whole.
+
+    ``hosts``: the play's hosts in order; ``clusters``: {host: its plan's cluster part} ({} or absent for
+    a single-node profile); ``serial``: the requested batch size (a count, a percentage, or a list of them,
+    as Ansible's ``serial``). A cluster's members move next to its first member in ``hosts`` and always
+    share a batch: a batch that would split one grows to hold it (a line says so). Returns
+    ``{"order": [...], "serial": [...], "lines": [...]}``; with no cluster of two or more members in the
+    run, ``order`` is ``hosts`` and ``serial`` the request, unchanged.
+    """
+    hosts = [str(host) for host in hosts]
+    present = set(hosts)
+    units: list[tuple[str, list[str]]] = []
+    placed: set[str] = set()
+    for host in hosts:
+        if host in placed:
+            continue
+        part = clusters.get(host) or {}
+        members = [str(m["host"]) for m in part.get("members") or [] if str(m["host"]) in present]
+        if host not in members:
+            members = [host]
+        members = [member for member in members if member not in placed]
+        units.append((str(part.get("name") or "") if len(members) > 1 else "", members))
+        placed.update(members)
+    requested = list(serial) if isinstance(serial, list | tuple) else [serial]
+    sizes = [_batch_size(value, len(hosts)) for value in requested or [0]]
+    if not any(name for name, _ in units):
+        return {"order": hosts, "serial": serial, "lines": []}
+    order: list[str] = []
+    out: list[int] = []
+    lines: list[str] = []
+    step = 0
+    while units:
+        size = sizes[min(step, len(sizes) - 1)]
+        batch: list[str] = []
+        while units and (size <= 0 or not batch or len(batch) + len(units[0][1]) <= size):
+            name, members = units.pop(0)
+            if name and 0 < size < len(members):
+                lines.append(
+                    f"cluster {name} ({', '.join(members)}) changes as one batch of {len(members)} "
+                    f"(batch size {requested[min(step, len(requested) - 1)]})"
+                )
+            batch += members
+        order += batch
+        out.append(len(batch))
+        step += 1
+    return {"order": order, "serial": out, "lines": lines}

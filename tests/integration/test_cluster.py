@@ -5,21 +5,25 @@ hardened unit with its watch, deployed by the same play as any profile.
 The cluster is an inventory group (``sandpair``: spark-01 the head, spark-02 the worker) in a copy of
 the sandbox inventory, and the profile (``tiny-pp2``: the tiny Qwen3 split in two stages) is a site
 profile of that copy. Shown: the link preflight passes, the deploy serves a completion through both
-stages, a refusal of a run that changes only one member, a killed worker brings the pair down and
-back through the units and their watches, and the fleet goes back to ``dflash`` afterwards.
+stages, a refusal of a run that changes only one member, drift, ops status and make bench take the
+pair as one target, a killed worker brings the pair down and back through the units and their
+watches, a rolling re-provision at batch size 1 and ops restart of one member move the pair whole, a
+head that cannot start rolls both back, and the fleet goes back to ``dflash`` afterwards.
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.integration.conftest import ROOT, run_playbook
+from tests.integration.conftest import ROOT, run_make, run_playbook
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.heavy]
 
@@ -78,6 +82,12 @@ def sh(fleet, host: str, command: str) -> str:
     return out.stdout.strip()
 
 
+def ops(*args: str) -> subprocess.CompletedProcess[str]:
+    """``sparkfleet ops ARGS`` from the checkout, as make status/restart run it."""
+    return subprocess.run([sys.executable, "-m", "sparkfleet", "ops", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=1200, check=False)  # fmt: skip
+
+
 def completion(fleet, head: str, timeout: int = 60) -> dict:
     """A temperature-0 completion through the head's API (both stages); {} when none came back."""
     request = json.dumps({"model": "qwen", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})
@@ -124,6 +134,24 @@ def test_a_pair_serves_one_model_and_comes_back_whole_after_losing_its_worker(
         assert answer.get("choices"), answer
         assert answer["usage"]["completion_tokens"] >= 1
 
+        # the pair as one target of the fleet's operations: drift, status, bench
+        drift = run_make("drift", f"INVENTORY={inventory}", f"PROFILE={PROFILE}", f"LIMIT={head},{worker}", timeout=900)
+        assert drift.returncode == 0, drift.output[-4000:]
+        for host in (head, worker):
+            assert any(line.split()[:3] == [host, "in", "sync"] for line in drift.output.splitlines()), host
+        status = ops("status", "-i", inventory, "-l", worker, "--json")
+        assert status.returncode == 0, status.stdout + status.stderr
+        rows = {entry["host"]: entry["row"] for entry in json.loads(status.stdout)}
+        assert (rows[head]["health"], rows[worker]["health"]) == ("ok", f"ok (via {head})"), rows
+        assert f"{head} joins the run: it serves in cluster {CLUSTER}" in status.stderr
+        bench = run_playbook("-i", inventory, "playbooks/bench.yml", "--limit", f"{head},{worker}",
+                             "-e", "serve_bench_quick=true", "-e", '{"serve_bench_methods": ["decode"]}',
+                             "-e", '{"serve_bench_fail_on_regression": false}', timeout=900)  # fmt: skip
+        assert bench.returncode == 0, bench.output[-4000:]
+        assert bench.recap[worker]["changed"] == 0
+        latest = json.loads(sh(sandbox_fleet, head, "cat /var/lib/sparkfleet/bench/latest.json"))
+        assert latest["profile"] == PROFILE and latest["figures"]["decode_tok_s_median"] > 0, latest
+
         # the worker's server dies: the pair must go down and come back whole, through the units alone
         worker_pid = sh(sandbox_fleet, worker, f"systemctl show -p MainPID --value {UNIT}")
         head_invocation = sh(sandbox_fleet, head, f"systemctl show -p InvocationID --value {UNIT}")
@@ -145,6 +173,28 @@ def test_a_pair_serves_one_model_and_comes_back_whole_after_losing_its_worker(
         health = run_playbook("-i", inventory, "playbooks/health.yml", "--limit", f"{head},{worker}")
         assert health.returncode == 0, health.output[-4000:]
         assert f"in {CLUSTER} (its head {head} checks the pair)" in health.output
+
+        # a rolling re-provision at batch size 1: the pair rolls as one batch, through the head's gate
+        # (health, then a quick decode benchmark through both stages)
+        rolled = run_playbook("-i", inventory, "playbooks/rolling.yml", "--limit", f"{head},{worker}",
+                              "-e", f"sparkfleet_profile={PROFILE}", "-e", "sparkfleet_rolling_serial=1",
+                              "-e", '{"serve_bench_fail_on_regression": false}', timeout=1500)  # fmt: skip
+        assert rolled.returncode == 0, rolled.output[-6000:]
+        flat = " ".join(rolled.output.split())
+        assert f"cluster {CLUSTER} ({head}, {worker}) changes as one batch of 2 (batch size 1)" in flat
+        assert rolled.output.count("PLAY [Serve the profile]") == 1, "one batch"
+        assert completion(sandbox_fleet, head).get("choices")
+
+        # ops restart naming the worker restarts the pair in one batch and waits for the head's health
+        invocations = {
+            h: sh(sandbox_fleet, h, f"systemctl show -p InvocationID --value {UNIT}") for h in (head, worker)
+        }
+        restart = ops("restart", "-i", inventory, "-l", worker, "--batch", "1")
+        assert restart.returncode == 0, restart.stdout + restart.stderr
+        assert f"batch 1: {head}, {worker}" in restart.stderr
+        for host in (head, worker):
+            assert sh(sandbox_fleet, host, f"systemctl show -p InvocationID --value {UNIT}") != invocations[host], host
+        assert completion(sandbox_fleet, head).get("choices")
 
         # a change the head cannot start (a context beyond the model's): the head fails its gate, the
         # worker fails with it, and both return to their last good state, the pair as it served

@@ -197,3 +197,99 @@ def test_the_lookup_reads_the_members_from_the_group_and_a_partial_run_is_refuse
         "spark-b serves profile dflash-tp2 in cluster pair with spark-a, which this run leaves out of its batch"
         in " ".join(part.stdout.split())
     )
+
+
+def pair_part(name: str, *members: str) -> dict[str, Any]:
+    return {"name": name, "members": [{"host": member} for member in members]}
+
+
+@pytest.mark.parametrize(
+    ("serial", "sizes"),
+    [(1, [1, 2, 1, 3, 1]), ("1", [1, 2, 1, 3, 1]), (2, [1, 2, 1, 3, 1]), (3, [3, 1, 3, 1]),
+     ("50%", [4, 4]), ("100%", [8]), (0, [8]), ([1, 4], [1, 3, 4]), (["25%", 5], [1, 3, 4])],
+)  # fmt: skip
+def test_a_batch_never_splits_a_cluster_and_holds_at_most_the_batch_size_otherwise(serial: Any, sizes: list) -> None:
+    hosts = ["s1", "a1", "s2", "a2", "b1", "b2", "s3", "b3"]
+    clusters = {**dict.fromkeys(["a1", "a2"], pair_part("a", "a1", "a2")),
+                **dict.fromkeys(["b1", "b2", "b3"], pair_part("b", "b1", "b2", "b3"))}  # fmt: skip
+    out = cluster.batches(hosts, clusters, serial)
+    assert out["serial"] == sizes
+    # every host once; each cluster's members next to its first member, in the cluster's order
+    assert out["order"] == ["s1", "a1", "a2", "s2", "b1", "b2", "b3", "s3"]
+    batches, start = [], 0
+    for size in out["serial"]:
+        batches.append(out["order"][start : start + size])
+        start += size
+    for members in (["a1", "a2"], ["b1", "b2", "b3"]):
+        assert any(set(members) <= set(batch) for batch in batches), (members, batches)
+    requested = serial if isinstance(serial, list) else [serial]
+    grown = []
+    for step, batch in enumerate(batches):
+        limit = cluster._batch_size(requested[min(step, len(requested) - 1)], len(hosts))
+        if limit > 0 and len(batch) > limit:
+            # only a cluster larger than the batch size makes a batch larger, and then it is alone
+            assert batch in (["a1", "a2"], ["b1", "b2", "b3"]), batch
+            grown.append(f"({', '.join(batch)}) changes as one batch of {len(batch)}")
+    assert [line.split(" ", 2)[2].split(" (batch size")[0] for line in out["lines"]] == grown, out["lines"]
+
+
+def test_without_a_cluster_the_order_and_batch_size_are_the_requests() -> None:
+    hosts = ["s1", "s2", "s3"]
+    assert cluster.batches(hosts, {}, "25%") == {"order": hosts, "serial": "25%", "lines": []}
+    # a member whose cluster is not in the run (a partial --limit) is a host of its own; the play refuses it
+    assert cluster.batches(["s1", "a2"], {"a2": pair_part("a", "a1", "a2")}, 1)["serial"] == 1
+    with pytest.raises(cluster.ClusterError, match=r"batch size 'two' is not a number of hosts: give one such as 1"):
+        cluster.batches(hosts, {}, "two")
+
+
+def serving_plays(out: Path) -> list[dict[str, Any]]:
+    """serve.yml's batching play as it is, and its serving play's hosts and serial with the refusal of a
+    partial cluster (resolve-profile.yml) and a recorder of each batch as tasks."""
+    plays = yaml.safe_load((ROOT / "playbooks/serve.yml").read_text())
+    batching = next(play for play in plays if str(play.get("name", "")).startswith("Batch the hosts"))
+    serving = next(play for play in plays if play.get("name") == "Serve the profile")
+    record = {
+        "ansible.builtin.lineinfile": {"path": str(out), "line": "{{ ansible_play_batch | join(',') }}",
+                                       "create": True, "insertafter": "EOF"},
+        "delegate_to": "localhost",
+        "run_once": True,
+    }  # fmt: skip
+    resolve = {"ansible.builtin.import_tasks": str(ROOT / "playbooks/tasks/resolve-profile.yml")}
+    return [
+        batching,
+        {"hosts": serving["hosts"], "serial": serving["serial"], "gather_facts": False, "tasks": [resolve, record]},
+    ]
+
+
+@needs_ansible_playbook
+def test_the_serving_play_moves_each_cluster_in_one_batch(tmp_path: Path) -> None:
+    inventory = link_shared_group_vars(tmp_path / "inventory", {"sparkfleet_models": pinned_models()})
+    local = {"ansible_connection": "local", "ansible_python_interpreter": str(Path(__import__("sys").executable))}
+    spark = {"spark-c": local, **{name: {**local, "sparkfleet_cluster_address": MEMBERS[name]}
+                                  for name in ("spark-a", "spark-b")}, "spark-d": local}  # fmt: skip
+    hosts = {"all": {"children": {"spark": {"hosts": spark}, "pair": {"hosts": {"spark-a": {}, "spark-b": {}}}}}}
+    (inventory / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    (inventory / "group_vars" / "pair.yml").write_text(
+        yaml.safe_dump(
+            {
+                "sparkfleet_cluster": "pair",
+                "sparkfleet_cluster_interface": "enp1s0f0np0",
+                "sparkfleet_profile": "dflash-tp2",
+            }
+        )  # fmt: skip
+    )
+    rolled = tmp_path / "rolled.txt"
+    play = tmp_path / "play.yml"
+    play.write_text(yaml.safe_dump(serving_plays(rolled), sort_keys=False))
+    # batch size 1: the pair (dflash-tp2) rolls whole, the single hosts one at a time, in inventory order
+    run = run_playbook(inventory / "hosts.yml", play, "-e", "sparkfleet_serve_serial=1", timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert rolled.read_text().split() == ["spark-c", "spark-a,spark-b", "spark-d"]
+    assert "cluster pair (spark-a, spark-b) changes as one batch of 2 (batch size 1)" in run.stdout
+    # a single-node profile on the pair's hosts: each is a host of its own again
+    rolled.unlink()
+    single = run_playbook(inventory / "hosts.yml", play, "-e", "sparkfleet_serve_serial=1", "-e",
+                          "sparkfleet_profile=dflash", timeout=180)  # fmt: skip
+    assert single.returncode == 0, single.stdout + single.stderr
+    assert rolled.read_text().split() == ["spark-c", "spark-a", "spark-b", "spark-d"]
+    assert "changes as one batch" not in single.stdout

@@ -746,3 +746,109 @@ def test_a_become_password_file_reaches_sudo_hosts_only_and_a_missing_one_is_ref
         f"sparkfleet ops: --become-password-file {str(missing)!r}: No such file or directory; "
         "give a readable file holding the password"
     ]
+
+
+# ------------------------------------------------------------------------------------ clusters
+
+
+def cluster_probe(host: str, *, worker_active: bool = True) -> dict[str, Any]:
+    """spark-01 (head) and spark-02 (worker) serving dflash-tp2 as cluster ``pair``: the head answers the
+    API, the worker has none (its unit is its part)."""
+    role = "head" if host == "spark-01" else "worker"
+    active = role == "head" or worker_active
+    state = {**STATE, "profile": "dflash-tp2", "unit": "sparkfleet-vllm-dflash-tp2.service", "port": 8000,
+             "cluster": {"name": "pair", "role": role, "rank": 0 if role == "head" else 1, "head": "spark-01",
+                         "members": ["spark-01", "spark-02"]}}  # fmt: skip
+    probe: dict[str, Any] = {
+        "state": state,
+        "unit_name": state["unit"],
+        "unit": {"LoadState": "loaded", "ActiveState": "active" if active else "failed",
+                 "SubState": "running" if active else "failed", "Result": "success" if active else "exit-code"},
+        "journal": [],
+        "base_url": "http://127.0.0.1:8000",
+    }  # fmt: skip
+    if role == "head":
+        probe["health"] = {"status": 200}
+        probe["models"] = {"status": 200, "body": json.dumps({"data": [{"id": "qwen"}]})}
+    else:
+        probe["health"] = {"error": "[Errno 111] Connection refused"}
+    return probe
+
+
+def cluster_connections(worker_active: bool = True) -> dict[str, FakeConnection]:
+    return {
+        "10.213.0.11": FakeConnection(cluster_probe("spark-01")),
+        "10.213.0.12": FakeConnection(cluster_probe("spark-02", worker_active=worker_active)),
+        "10.213.0.13": FakeConnection({"state": {**STATE, "port": 8000}, "unit_name": STATE["unit"],
+                                       "unit": {"LoadState": "loaded", "ActiveState": "active", "SubState": "running"},
+                                       "health": {"status": 200}, "base_url": "http://127.0.0.1:8000",
+                                       "models": {"status": 200, "body": json.dumps({"data": [{"id": "qwen"}]})}}),
+    }  # fmt: skip
+
+
+def test_status_of_one_member_shows_its_cluster_whole_with_the_heads_health(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    connections = cluster_connections()
+    inventory = str(write_inventory(tmp_path))
+    code = fleet_ops.run_command(
+        parse(["ops", "status", "-i", inventory, "-l", "spark-02", "--json"]),
+        connect=lambda h: connections[h.ssh.address],
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    rows = {entry["host"]: entry for entry in json.loads(out)}
+    assert list(rows) == ["spark-01", "spark-02"], "the head joins a run that names its worker"
+    assert "spark-01 joins the run: it serves in cluster pair with a host the run names" in err
+    assert rows["spark-01"]["row"]["health"] == "ok"
+    assert rows["spark-02"]["row"]["health"] == "ok (via spark-01)"
+    assert not connections["10.213.0.13"].commands, "a host in no cluster does not join"
+
+    # the worker's server is down: the pair is not serving, and both members say why
+    connections = cluster_connections(worker_active=False)
+    code = fleet_ops.run_command(
+        parse(["ops", "status", "-i", inventory, "--json"]), connect=lambda h: connections[h.ssh.address]
+    )
+    rows = {entry["host"]: entry for entry in json.loads(capsys.readouterr().out)}
+    assert code == 1
+    assert (rows["spark-01"]["ok"], rows["spark-02"]["ok"], rows["spark-03"]["ok"]) == (False, False, True)
+    assert "cluster pair: spark-02 is not serving" in rows["spark-01"]["problems"]
+    assert "failed" in rows["spark-02"]["problems"]
+
+    # the worker cannot be reached: the head's line names it and why
+    def connect(host: FleetHost) -> FakeConnection:
+        if host.name == "spark-02":
+            raise paramiko.SSHException("Server '10.213.0.12' not found in known_hosts")
+        return cluster_connections()[host.ssh.address]
+
+    code = fleet_ops.run_command(parse(["ops", "status", "-i", inventory, "-l", "spark-01", "--json"]), connect=connect)
+    rows = {entry["host"]: entry for entry in json.loads(capsys.readouterr().out)}
+    assert code == 1
+    assert list(rows) == ["spark-01", "spark-02"]
+    assert "cluster pair: spark-02 not probed (error: host key of 10.213.0.12:22" in rows["spark-01"]["problems"]
+
+
+def test_a_clusters_members_restart_in_one_batch_and_a_worker_is_benchmarked_through_its_head(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    connections = cluster_connections()
+    inventory = str(write_inventory(tmp_path))
+    code = fleet_ops.run_command(
+        parse(["ops", "restart", "-i", inventory, "-l", "spark-02,spark-03", "--batch", "1"]),
+        connect=lambda h: connections[h.ssh.address],
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    assert "cluster pair (spark-01, spark-02) changes as one batch of 2 (batch size 1)" in err
+    batches = [line for line in err.splitlines() if line.startswith("batch ")]
+    assert batches == ["batch 1: spark-01, spark-02", "batch 2: spark-03"]
+    for address in connections:
+        assert sum("systemctl restart" in c for c in connections[address].commands) == 1, address
+    assert "sparkfleet-vllm-dflash-tp2.service" in next(
+        c for c in connections["10.213.0.12"].commands if "systemctl restart" in c
+    )
+
+    worker = fleet_ops.bench_operation(fleet_ops.BenchOptions("prose", 1, 0.25, False, 60, tmp_path), "stamp")(
+        sandbox_host("spark-02"), FakeConnection(cluster_probe("spark-02"))
+    )
+    assert (worker.ok, worker.line) == (True, "worker of pair: benchmarked through its head spark-01")
