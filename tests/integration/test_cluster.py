@@ -117,6 +117,15 @@ def test_a_pair_serves_one_model_and_comes_back_whole_after_losing_its_worker(
         )
         assert part.recap[worker]["changed"] == 0
 
+        # the deploy runs the link preflight before anything changes: a link without the MTU it needs
+        mtu = run_playbook("-i", inventory, "site.yml", "--limit", f"{head},{worker}",
+                           "-e", f"sparkfleet_profile={PROFILE}", "-e", "sparkfleet_cluster_mtu=9000")  # fmt: skip
+        assert mtu.returncode != 0
+        for host in (head, worker):
+            assert f"{host}: eth0 has MTU 1500, the cluster link needs 9000" in mtu.output, mtu.output[-3000:]
+            assert mtu.recap[host]["changed"] == 0, host
+            assert sh(sandbox_fleet, host, f"systemctl is-active {UNIT}") in ("inactive", "unknown"), host
+
         check = run_playbook("-i", inventory, "playbooks/cluster-check.yml", "--limit", f"{head},{worker}",
                              "-e", f"sparkfleet_profile={PROFILE}", timeout=600)  # fmt: skip
         assert check.returncode == 0, check.output[-4000:]
@@ -172,7 +181,7 @@ def test_a_pair_serves_one_model_and_comes_back_whole_after_losing_its_worker(
 
         health = run_playbook("-i", inventory, "playbooks/health.yml", "--limit", f"{head},{worker}")
         assert health.returncode == 0, health.output[-4000:]
-        assert f"in {CLUSTER} (its head {head} checks the pair)" in health.output
+        assert f"health=ok (via {head}, its head, which checked the pair)" in health.output
 
         # a rolling re-provision at batch size 1: the pair rolls as one batch, through the head's gate
         # (health, then a quick decode benchmark through both stages)
