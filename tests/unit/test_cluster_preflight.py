@@ -496,3 +496,29 @@ def test_the_playbook_parses_and_make_cluster_check_runs_it(tmp_path: Path) -> N
     ]  # fmt: skip
     named = command("PROFILE=dense", "LIMIT=a,b")
     assert "--limit 'a,b'" in named and named.endswith("playbooks/cluster-check.yml -e sparkfleet_profile='dense'")
+
+
+@needs_ansible_playbook
+def test_in_a_play_of_batches_each_batch_is_judged_with_its_own_hosts(tmp_path: Path) -> None:
+    """The serving play runs the preflight in batches (serial): hosts in no cluster pass batch by batch,
+    quietly when the play asks for clusters only; a batch holding one member of a cluster is refused,
+    naming the member it lacks (serve.yml puts a cluster's members in one batch)."""
+    hosts = {host: local_host(test_plan=lo_plan(host)) for host in ("spark-c", "spark-d", "spark-a", "spark-b")}
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(yaml.safe_dump({"all": {"hosts": hosts}}, sort_keys=False))
+    tasks = [
+        {"name": "Plan what the host serves", "ansible.builtin.set_fact": {"sparkfleet_plan": "{{ test_plan }}"}},
+        {"ansible.builtin.import_tasks": str(ROOT / "playbooks/tasks/cluster-preflight.yml")},
+    ]
+    play = tmp_path / "play.yml"
+    for quiet in (True, False):
+        spec = {"hosts": "all", "gather_facts": False, "serial": 1, "tasks": tasks,
+                "vars": {"__cluster_preflight_clusters_only": quiet}}  # fmt: skip
+        play.write_text(yaml.safe_dump([spec], sort_keys=False))
+        alone = run_playbook(inventory, play, "--limit", "spark-c,spark-d", timeout=60)
+        assert alone.returncode == 0, alone.stdout + alone.stderr
+        said = [f"nothing to check: {host}" in alone.stdout for host in ("spark-c", "spark-d")]
+        assert said == [not quiet, not quiet], alone.stdout
+    split = run_playbook(inventory, play, "--limit", "spark-a,spark-b", timeout=60)
+    assert split.returncode != 0
+    assert "cluster lopair: no link facts from spark-b (not in this run" in " ".join(split.stdout.split())
