@@ -7,6 +7,12 @@ out=${1:?usage: run_epi.sh OUT_DIR TOTAL_S [variants]}
 total=${2:-560}
 variants=${3:-epi,epi_s1,epi_ic,epi_icf,epi_icf_ks4}
 mkdir -p "$out"
+# the scratch module is kept as a diff against the runtime module (no second copy of it in the repository)
+mod=tests/gpu/wip_epi/int8_lmhead_epi.py
+if [ ! -f "$mod" ]; then
+  cp sparkfleet/kernels/int8_lmhead.py "$mod" && patch -s "$mod" tests/gpu/wip_epi/int8_lmhead_epi.diff \
+    || { echo "run_epi.sh: could not make $mod: run the cp and patch of int8_lmhead_epilogue.wip.md first"; exit 2; }
+fi
 export PYTHONUNBUFFERED=1
 dry=${EPI_DRY:+--dry}  # CPU rehearsal: EPI_DRY=1 TRITON_INTERPRET=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv > "$out/env.txt"
