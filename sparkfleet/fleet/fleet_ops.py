@@ -46,7 +46,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -843,15 +843,18 @@ def cluster_batches(
 # ------------------------------------------------------------------------------------------- logs
 
 
-def unit_of(host: FleetHost, connection: Any) -> tuple[str, dict[str, Any]]:
-    """The host's unit (from state.json, else the inventory's profile) and the probe it came from."""
-    probe = probe_host(host, connection)
+def unit_of(
+    host: FleetHost, connection: Any, probes: Mapping[str, dict[str, Any]] | None = None
+) -> tuple[str, dict[str, Any]]:
+    """The host's unit (from state.json, else the inventory's profile) and the probe it came from (the
+    run's own probe of the host in ``probes``, else a new one)."""
+    probe = (probes or {}).get(host.name) or probe_host(host, connection)
     return str(probe.get("unit_name") or host.fallback_unit), probe
 
 
-def logs_operation(lines: int, since: str | None) -> HostOperation:
+def logs_operation(lines: int, since: str | None, probes: Mapping[str, dict[str, Any]] | None = None) -> HostOperation:
     def operation(host: FleetHost, connection: Any) -> HostOutcome:
-        unit, probe = unit_of(host, connection)
+        unit, probe = unit_of(host, connection, probes)
         if (probe.get("unit") or {}).get("LoadState") not in ("loaded", None):
             return HostOutcome(host.name, False, f"unit {unit} is {probe['unit']['LoadState']} (not deployed?)")
         command = ["journalctl", "-u", unit, "-n", str(lines), "--no-pager", "-o", "short-iso"]
@@ -1039,9 +1042,11 @@ def bench_command(host: FleetHost, probe: dict[str, Any], options: BenchOptions,
     return command, result_path
 
 
-def bench_operation(options: BenchOptions, stamp: str) -> HostOperation:
+def bench_operation(
+    options: BenchOptions, stamp: str, probes: Mapping[str, dict[str, Any]] | None = None
+) -> HostOperation:
     def operation(host: FleetHost, connection: Any) -> HostOutcome:
-        probe = probe_host(host, connection)
+        _, probe = unit_of(host, connection, probes)
         member = served_cluster(probe)
         if member.get("role") == "worker":
             return HostOutcome(
@@ -1134,11 +1139,13 @@ def run_command(args: argparse.Namespace, connect: Callable[[FleetHost], Any] = 
         hosts, surveyed, joined = survey(hosts, args.forks, connect, everyone)
         for line in joined:
             print(line, file=sys.stderr)
+        # logs and bench read the survey's probes; restart probes each host again when its batch comes
+        probes = {outcome.host: outcome.data["probe"] for outcome in surveyed if "probe" in outcome.data}
         if args.ops_command == "status":
             outcomes = whole_clusters(surveyed)
             print_status(outcomes, args.json)
         elif args.ops_command == "logs":
-            outcomes = run_on_hosts(hosts, logs_operation(args.lines, args.since), args.forks, connect)
+            outcomes = run_on_hosts(hosts, logs_operation(args.lines, args.since, probes), args.forks, connect)
             print_outcomes(outcomes)
         elif args.ops_command == "restart":
             hosts, sizes = cluster_batches(hosts, surveyed, args.batch)
@@ -1155,7 +1162,7 @@ def run_command(args: argparse.Namespace, connect: Callable[[FleetHost], Any] = 
             )
             stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
             print(f"benchmarking {len(hosts)} host(s) in parallel ...", file=sys.stderr, flush=True)
-            outcomes = run_on_hosts(hosts, bench_operation(options, stamp), args.forks, connect, progress=True)
+            outcomes = run_on_hosts(hosts, bench_operation(options, stamp, probes), args.forks, connect, progress=True)
             print_outcomes(outcomes)
         else:
             raise OpsError(f"unknown ops command {args.ops_command!r}")

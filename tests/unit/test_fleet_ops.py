@@ -852,3 +852,16 @@ def test_a_clusters_members_restart_in_one_batch_and_a_worker_is_benchmarked_thr
         sandbox_host("spark-02"), FakeConnection(cluster_probe("spark-02"))
     )
     assert (worker.ok, worker.line) == (True, "worker of pair: benchmarked through its head spark-01")
+
+    # logs of one member: the pair's journals, each host probed once (logs read the survey's probe)
+    connections = cluster_connections()
+    code = fleet_ops.run_command(
+        parse(["ops", "logs", "-i", inventory, "-l", "spark-02"]), connect=lambda h: connections[h.ssh.address]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    for address in ("10.213.0.11", "10.213.0.12"):
+        assert sum("state.json" in c for c in connections[address].commands) == 1, connections[address].commands
+        assert any(c.startswith("LC_ALL=C journalctl -u sparkfleet-vllm-dflash-tp2.service") for c in
+                   connections[address].commands), address  # fmt: skip
+    assert not connections["10.213.0.13"].commands
