@@ -187,6 +187,39 @@ def test_prefix_caching_on_and_off_answer_alike(converged_fleet, sandbox_fleet, 
         assert figures["prefix_ttft_warm_over_cold"] > 0 and figures["server_prefix_ttft_warm_over_cold"] > 0
 
 
+def test_rolling_whose_preflight_refuses_starts_the_stopped_server_again(converged_fleet, sandbox_fleet) -> None:
+    """make rolling stops a host's server before its preflight (stop-first: the preflight needs the memory and
+    the port the old server holds). A preflight that then refuses has changed nothing of the serving stack, so
+    nothing is rolled back, but the server it stopped is started again and health-checked: the host must not be
+    left down by a run that says it changed nothing."""
+    host = sandbox_fleet.names[0]
+    before = state(sandbox_fleet, host)
+    pid_before = main_pid(sandbox_fleet, host, DFLASH)
+    unit_before = sandbox_fleet.ssh(host, f"systemctl cat {DFLASH}").stdout
+    roll = run_playbook(
+        "playbooks/rolling.yml",
+        "--limit",
+        host,
+        "-e",
+        "sparkfleet_profile=dflash",
+        "-e",
+        "spark_preflight_required_disk_gib=1000000",
+    )
+    assert roll.returncode != 0
+    assert "spark_preflight_required_disk_gib" in roll.output, roll.output[-4000:]  # the preflight's own line
+    assert "Nothing of the serving stack (weights, unit) was changed before it failed" in roll.output
+    assert f"its server ({DFLASH}, profile dflash), stopped by this run, was started again" in roll.output, roll.output[
+        -4000:
+    ]
+    assert "ROLLED BACK" not in roll.output
+    # the server was stopped and is back: a new process, the same unit file and state
+    assert active(sandbox_fleet, host, DFLASH) == "active"
+    assert main_pid(sandbox_fleet, host, DFLASH) not in ("", "0", pid_before)
+    assert sandbox_fleet.ssh(host, f"systemctl cat {DFLASH}").stdout == unit_before
+    after = state(sandbox_fleet, host)
+    assert {k: v for k, v in after.items() if k != "startup"} == {k: v for k, v in before.items() if k != "startup"}
+
+
 def measure_quick_baselines(host: str, tmp_path: Path) -> dict[str, float]:
     """The dflash profile's quick acceptance figures measured now on `host` (what `make bench QUICK=1`
     records). They are set by the CPU's numerics: the inventory's baselines hold on the machine they
