@@ -291,6 +291,17 @@ def test_kernels_under_interpreter(scenario: dict[str, Any]) -> None:
     assert any(c["plain_argmax"] != c["reference_argmax"] for c in cases)
 
 
+def test_kernels_stay_inside_their_tensors(scenario: dict[str, Any]) -> None:
+    """Every load, store and atomic of the kernel cases (every path: re-scoring, spill, flat, padding, bias, odd
+    hidden sizes, tiled and row-major weights) addresses memory inside one of its launch's tensors. The GPU
+    faults on such an access; the interpreter reads beside the tensor and goes on (tests/triton_memcheck.py)."""
+    memcheck = scenario["memcheck"]
+    # the check has teeth: it passes a masked read and catches one past the end of its tensor
+    assert memcheck["self_test"]["masked"] == 0 and memcheck["self_test"]["unmasked"] > 0, memcheck["self_test"]
+    assert memcheck["accesses_checked"] > 1000, memcheck
+    assert memcheck["out_of_bounds"] == 0, memcheck["violations"][:3]
+
+
 # ---------------------------------------------------------------- child body
 
 
@@ -599,7 +610,16 @@ def run_scenario(out_json: Path) -> None:
             results["bad_value_error"] = str(exc)
         os.environ["VLLM_SPARKFLEET_INT8_LMHEAD"] = "1"
     int8_lmhead.int8_lm_head_logits = real_logits
-    results["kernel_cases"] = _kernel_cases(int8_lmhead)
+    from tests.triton_memcheck import AddressCheck, self_test
+
+    with AddressCheck() as check:  # every address the kernels touch, inside their tensors (compute-sanitizer's check)
+        results["kernel_cases"] = _kernel_cases(int8_lmhead)
+    results["memcheck"] = {
+        "accesses_checked": check.checked,
+        "out_of_bounds": check.count,
+        "violations": check.violations,
+        "self_test": self_test(),
+    }
     out_json.write_text(json.dumps(results, indent=1))
 
 
