@@ -42,6 +42,21 @@ VARIANTS = {
     "epi_icf": {"INLINE_BF16": True, "PROBE_COMPACT": True, "PROBE_FUSED_MAX_TOKENS": 16},
     "epi_icf_ks1": {"INLINE_BF16": True, "PROBE_COMPACT": True, "PROBE_FUSED_MAX_TOKENS": 16, "PROBE_KSPLIT": 1},
     "epi_icf_ks4": {"INLINE_BF16": True, "PROBE_COMPACT": True, "PROBE_FUSED_MAX_TOKENS": 16, "PROBE_KSPLIT": 4},
+    # INT8_EXACT_MAXNREG off: the H200 smoke of 2026-12-06 faulted in every capped variant (all of the above)
+    "epi_nocap": {"INT8_EXACT_MAXNREG": 0},
+    "epi_ic_nocap": {"INLINE_BF16": True, "PROBE_COMPACT": True, "INT8_EXACT_MAXNREG": 0},
+    "epi_icf_ks4_nocap": {
+        "INLINE_BF16": True,
+        "PROBE_COMPACT": True,
+        "PROBE_FUSED_MAX_TOKENS": 16,
+        "PROBE_KSPLIT": 4,
+        "INT8_EXACT_MAXNREG": 0,
+    },
+    # no programmatic dependent launch: the capped and uncapped variants faulted outside compute-sanitizer only
+    # (under it, full shape b=1, 0 errors: H100 2026-12-06), which points at an ordering race
+    "epi_nopdl": {"USE_PDL": False},
+    "epi_ic_nopdl": {"INLINE_BF16": True, "PROBE_COMPACT": True, "USE_PDL": False},
+    "epi_icf_nopdl": {"INLINE_BF16": True, "PROBE_COMPACT": True, "PROBE_FUSED_MAX_TOKENS": 16, "USE_PDL": False},
     "epi_icf_nocap": {
         "INLINE_BF16": True,
         "PROBE_COMPACT": True,
@@ -96,6 +111,7 @@ def main() -> int:  # noqa: C901 - one driver, phases in order
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--smoke", action="store_true", help="only the fault-finding checks, one line per variant")
     ap.add_argument("--sanitize", action="store_true", help="with --smoke: one small check (under compute-sanitizer)")
+    ap.add_argument("--sanitize-shape", default="65536,2", help="ROWS,BATCH of the --sanitize check")
     ap.add_argument("--worst", type=int, default=3, help="leading variants that get the whole worst-case set")
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--tied-shares", default=TIED_SHARES)
@@ -174,7 +190,8 @@ def main() -> int:  # noqa: C901 - one driver, phases in order
 
     if args.smoke:
         problems = []  # made once for every variant (the near-tie weights are built on the CPU)
-        sizes = ((65536, 2, 1),) if args.sanitize else ((vocab, 1, 1), (vocab, 13, 13), (vocab, 16, 16))
+        san_rows, san_batch = (int(v) for v in args.sanitize_shape.split(","))
+        sizes = ((san_rows, san_batch, 1),) if args.sanitize else ((vocab, 1, 1), (vocab, 13, 13), (vocab, 16, 16))
         for rows, batch, seed in sizes:
             w_t, x_t = near_tie_problem(rows, hid, batch, seed)
             w_t, x_t = w_t.to(dev), x_t.to(dev)

@@ -31,9 +31,15 @@ for attempt in 1 2 3; do
   [ $rc -eq 0 ] && break
   bad=$(echo "$left" | tr , '\n' | grep -vxF -f <(echo "$passed" | tr , '\n' | grep .) | head -1)
   echo "smoke: $bad failed (rc $rc); tail:"; tail -5 "$out/smoke_$attempt.out"
-  if [ $attempt -eq 1 ] && command -v compute-sanitizer >/dev/null; then
-    timeout 150 compute-sanitizer --tool memcheck --print-limit 12 python3 tests/gpu/wip_epi/bench_epi.py \
-      --out /tmp/san --smoke --sanitize --variants "$bad" > "$out/sanitizer.log" 2>&1
+  if [ $attempt -eq 1 ] && [ -n "${EPI_BLOCKING:-}" ]; then
+    # the same smoke with every launch synchronous: passes if the fault is an ordering race
+    CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 tests/gpu/wip_epi/bench_epi.py --out "$out" --smoke --variants "$bad" \
+      --tag _blocking > "$out/sanitizer.log" 2>&1
+    echo "launch-blocking smoke of $bad rc=$?"; grep -v '^ *\^' "$out/sanitizer.log" | tail -6
+  elif [ $attempt -eq 1 ] && command -v compute-sanitizer >/dev/null; then
+    timeout 200 compute-sanitizer --tool memcheck --print-limit 12 python3 tests/gpu/wip_epi/bench_epi.py \
+      --out /tmp/san --smoke --sanitize --sanitize-shape "${EPI_SANITIZE_SHAPE:-248320,1}" --variants "$bad" \
+      > "$out/sanitizer.log" 2>&1
     echo "sanitizer rc=$?"; grep -m3 -A3 'Invalid' "$out/sanitizer.log"
   fi
   left=$(echo "$left" | tr , '\n' | grep -vxF -f <(echo "$passed,$bad" | tr , '\n' | grep .) | paste -sd, -)
