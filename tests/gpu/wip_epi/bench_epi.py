@@ -57,6 +57,18 @@ VARIANTS = {
     "epi_nopdl": {"USE_PDL": False},
     "epi_ic_nopdl": {"INLINE_BF16": True, "PROBE_COMPACT": True, "USE_PDL": False},
     "epi_icf_nopdl": {"INLINE_BF16": True, "PROBE_COMPACT": True, "PROBE_FUSED_MAX_TOKENS": 16, "USE_PDL": False},
+    # the gather's (and the probe's) dots on the CUDA cores: Triton 3.6/3.7 on sm_90 has open reports of illegal
+    # accesses, seen only now and then, from kernels with several small tl.dot at num_warps=4
+    "epi_fma": {"GATHER_FP32_DOT": True},
+    "epi_fma2": {"GATHER_FP32_DOT": True, "PROBE_FP32_DOT": True},
+    "epi_icf_fma2": {
+        "INLINE_BF16": True,
+        "PROBE_COMPACT": True,
+        "PROBE_FUSED_MAX_TOKENS": 16,
+        "GATHER_FP32_DOT": True,
+        "PROBE_FP32_DOT": True,
+    },
+    "epi_fma2_nopdl": {"GATHER_FP32_DOT": True, "PROBE_FP32_DOT": True, "USE_PDL": False},
     "epi_icf_nocap": {
         "INLINE_BF16": True,
         "PROBE_COMPACT": True,
