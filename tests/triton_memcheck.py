@@ -9,8 +9,8 @@ arguments; each access that does not is recorded (kernel, operation, count, firs
 tensors). Storage, not the view: a kernel may legitimately address its argument's whole storage.
 
 The hooks sit on the interpreter's own entry points (``GridExecutor._init_args_hst`` for the launch's tensors,
-``InterpreterBuilder.create_*load/store/atomic*`` for the accesses); ``AddressCheck`` refuses to start where a
-Triton release lacks one, instead of checking nothing.
+``InterpreterBuilder.create_masked_load/store`` and ``create_atomic_*`` for the accesses); ``AddressCheck``
+refuses to start where a Triton release lacks one, instead of checking nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-_ACCESSES = {  # builder method -> (position of the pointer argument, position of the mask argument or None)
-    "create_load": (0, None),
-    "create_store": (0, None),
+# builder method -> (position of the pointer argument, position of the mask argument or None); the unmasked
+# create_load / create_store hand on to the masked ones with an all-true mask, so these see every access once
+_ACCESSES = {
     "create_masked_load": (0, 1),
     "create_masked_store": (0, 2),
     "create_atomic_rmw": (1, 3),
@@ -120,9 +120,7 @@ class AddressCheck:
 
 def _element_bytes(ptrs: Any) -> int:
     """Bytes one lane of a pointer tensor handle accesses."""
-    element = getattr(getattr(ptrs, "dtype", None), "element_ty", None)
-    bits = getattr(element, "primitive_bitwidth", 8)
-    return max(1, bits // 8)
+    return max(1, ptrs.get_element_ty().primitive_bitwidth // 8)
 
 
 def self_test() -> dict[str, int]:
