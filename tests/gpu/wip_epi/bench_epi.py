@@ -69,6 +69,20 @@ VARIANTS = {
         "PROBE_FP32_DOT": True,
     },
     "epi_fma2_nopdl": {"GATHER_FP32_DOT": True, "PROBE_FP32_DOT": True, "USE_PDL": False},
+    # the tensor float atomic max that publishes exact lower bounds faulted (bisect_epi.py): other ways
+    "epi_pub0": {"PUBLISH_LOWER": 0},
+    "epi_pub2": {"PUBLISH_LOWER": 2},
+    "epi_pub3": {"PUBLISH_LOWER": 3},
+    "epi_icf_pub0": {"INLINE_BF16": True, "PROBE_COMPACT": True, "PROBE_FUSED_MAX_TOKENS": 16, "PUBLISH_LOWER": 0},
+    "epi_icf_pub2": {"INLINE_BF16": True, "PROBE_COMPACT": True, "PROBE_FUSED_MAX_TOKENS": 16, "PUBLISH_LOWER": 2},
+    "epi_icf_pub3": {"INLINE_BF16": True, "PROBE_COMPACT": True, "PROBE_FUSED_MAX_TOKENS": 16, "PUBLISH_LOWER": 3},
+    "epi_slots16": {"GATHER_SLOTS": 16, "GATHER_MAX_ROWS": 16},
+    # int8_lmhead_ovl.py (--module): the runtime with the int8 kernel started beside the probe
+    "ovl": {"PROBE_OVERLAP": True},
+    "ovl_off": {"PROBE_OVERLAP": False},
+    "ovl_noabort": {"PROBE_OVERLAP": True, "INT8_ABORT": False},
+    "ovl_end": {"PROBE_OVERLAP": True, "PROBE_LAUNCH_AT": "end"},
+    "ovl_late": {"PROBE_OVERLAP": True, "DECIDE_LAUNCH_LATE": True},
     "epi_icf_nocap": {
         "INLINE_BF16": True,
         "PROBE_COMPACT": True,
@@ -78,13 +92,41 @@ VARIANTS = {
 }
 
 
-def load_epi():
-    path = Path(__file__).with_name("int8_lmhead_epi.py")
+def load_epi(name: str = "int8_lmhead_epi.py"):
+    """Import a scratch module of this folder, made first from its diff against the runtime module where
+    missing (the repository keeps only the diffs)."""
+    path = Path(__file__).with_name(name)
+    if not path.exists():
+        import shutil
+        import subprocess
+
+        shutil.copy(ROOT / "sparkfleet/kernels/int8_lmhead.py", path)
+        subprocess.run(["patch", "-s", str(path), str(path.with_suffix(".diff"))], check=True)
     spec = importlib.util.spec_from_file_location("int8_lmhead_epi", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules["int8_lmhead_epi"] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+def stat_view(st: dict) -> dict:
+    """The stats of either module (the scratch epilogue's keys, or the runtime's flat/near/spilled tensors)."""
+    if "batch_flat" in st:
+        return st
+    return {
+        "rows_rescored": -1,  # the runtime does not count them
+        "blocks_recomputed": int((st["spilled"] != 0).sum()) if "spilled" in st else -1,
+        "batch_flat": int(st["flat"].max()),
+        "near": st["near"],
+    }
+
+
+def spill_forced(module) -> dict:
+    """The keyword that makes a call spill every candidate block to the bf16 kernel."""
+    import inspect
+
+    params = inspect.signature(module.int8_lm_head_logits).parameters
+    return {"gather_max_rows": 1} if "gather_max_rows" in params else {"rescore_row_budget": 1}
 
 
 def compiled_facts(module) -> dict:
@@ -128,9 +170,10 @@ def main() -> int:  # noqa: C901 - one driver, phases in order
     ap.add_argument("--budget-s", type=float, default=400.0)
     ap.add_argument("--tied-shares", default=TIED_SHARES)
     ap.add_argument("--tag", default="")
+    ap.add_argument("--module", default="int8_lmhead_epi.py", help="the scratch module (in this folder)")
     ap.add_argument("--dry", action="store_true", help="CPU rehearsal (TRITON_INTERPRET=1, tiny sizes)")
     args = ap.parse_args()
-    new = load_epi()
+    new = load_epi(args.module)
     dev = "cpu" if args.dry else "cuda"
     if args.dry:
         vocab, hid, near_sizes = 2_048, 128, ((1024, 8, 1), (2048, 3, 3))
@@ -181,7 +224,7 @@ def main() -> int:  # noqa: C901 - one driver, phases in order
         "triton": triton.__version__,
         "variants": {n: VARIANTS[n] for n in names},
     }
-    defaults = {k: getattr(new, k) for v in VARIANTS.values() for k in v}
+    defaults = {k: getattr(new, k) for n in names for k in VARIANTS[n]}
 
     def log(msg: str) -> None:
         msg = f"[{time.time() - t_start:6.1f}s] {msg}"
@@ -277,7 +320,7 @@ def main() -> int:  # noqa: C901 - one driver, phases in order
                     )
                 # the spill path (a block with more candidates than the gather takes), forced
                 b = x_t.shape[0]
-                o = new.int8_lm_head_logits(x_t[:b].contiguous(), p_t, w_t, gather_max_rows=1)
+                o = new.int8_lm_head_logits(x_t[:b].contiguous(), p_t, w_t, **spill_forced(new))
                 r = bf16_reference_argmax(x_t[:b], w_t)
                 checks.append(
                     (f"near-tie rows={rows} b={b} spill", int((o.argmax(-1) == r).sum()), b, bool(o.isfinite().all()))
@@ -292,6 +335,7 @@ def main() -> int:  # noqa: C901 - one driver, phases in order
             for b in (1, 16):
                 st: dict = {}
                 o = new.int8_lm_head_logits(zero16[:b].contiguous(), packed, weight, stats=st)
+                st = stat_view(st)
                 checks.append(
                     (
                         f"zero b={b} batch_flat={int(st['batch_flat'])}",
@@ -321,6 +365,7 @@ def main() -> int:  # noqa: C901 - one driver, phases in order
         for b in (1, 4, 16):
             st = {}
             new.int8_lm_head_logits(x[:b].contiguous(), packed, weight, stats=st)
+            st = stat_view(st)
             cands[f"{name} b={b}"] = {
                 "rows_rescored": int(st["rows_rescored"]),
                 "blocks_recomputed": int(st["blocks_recomputed"]),
@@ -445,6 +490,7 @@ def main() -> int:  # noqa: C901 - one driver, phases in order
                 use(name)
                 st: dict = {}
                 o = new.int8_lm_head_logits(xb, p_case, w_case, stats=st)
+                st = stat_view(st)
                 t = graph_ms(lambda xb=xb, p=p_case, w=w_case: new.int8_lm_head_logits(xb, p, w)) * 1e3
                 worst[name].setdefault(case, {})[str(b)] = {
                     "us": round(t, 2),
