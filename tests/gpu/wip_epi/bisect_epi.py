@@ -7,7 +7,7 @@ exact epilogue out, see int8_lmhead_epi.py). Also runs compute-sanitizer's racec
 configuration (the fault is not seen by memcheck, which serializes the warps' timing).
 
 Usage (repo root, CUDA machine): python3 tests/gpu/wip_epi/bisect_epi.py --out $OUT [--parallel 4] [--only a,b]
-CPU rehearsal: TRITON_INTERPRET=1 python tests/gpu/wip_epi/bisect_epi.py --out /tmp/b --dry --only base,d16
+CPU rehearsal: TRITON_INTERPRET=1 python tests/gpu/wip_epi/bisect_epi.py --out OUT --dry --only base,d16
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -124,7 +125,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--one")
-    ap.add_argument("--data", default="/tmp/bisect_epi.pt")
+    ap.add_argument("--data", default=str(Path(tempfile.gettempdir()) / "bisect_epi.pt"), help="the problems' file")
     ap.add_argument("--only", default="")
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--budget-s", type=float, default=420)
