@@ -102,9 +102,9 @@ def load_epi(name: str = "int8_lmhead_epi.py"):
 
         shutil.copy(ROOT / "sparkfleet/kernels/int8_lmhead.py", path)
         subprocess.run(["patch", "-s", str(path), str(path.with_suffix(".diff"))], check=True)
-    spec = importlib.util.spec_from_file_location("int8_lmhead_epi", path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
-    sys.modules["int8_lmhead_epi"] = mod
+    sys.modules[path.stem] = mod
     spec.loader.exec_module(mod)
     return mod
 
