@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -254,6 +255,32 @@ def test_the_helper_prints_the_line_a_job_keeps_in_its_progress_file(tmp_path: P
     progress.write_text("2/4 shards, 10 of 20 tensors, 0.50 of 1.00 GB written, 100 MB/s\n")
     out = helper(str(job), "0", "checkpoint dense", "--file", str(progress))
     assert out.stdout.endswith(" s: 2/4 shards, 10 of 20 tensors, 0.50 of 1.00 GB written, 100 MB/s\n"), out.stdout
+
+
+def test_a_build_that_removed_its_progress_file_and_is_ending_is_not_shown_as_starting(tmp_path: Path) -> None:
+    """The builder removes its progress file as it ends, a moment before Ansible's async wrapper writes the
+    job's result (CI saw ``checkpoint fake, 11 s: starting`` for a build that had just finished). A poll
+    that finds no progress file looks again for a few seconds: the job's result ends the wait (exit 0, no
+    line), a progress file that appears is printed, and only then is the job said to be starting."""
+    job = tmp_path / "j5.6"
+    job.write_text(json.dumps({"started": 1, "finished": 0}))
+    progress = tmp_path / "build.progress"
+    finish = threading.Timer(1.0, lambda: job.write_text(json.dumps({"changed": True, "rc": 0})))
+    finish.start()
+    try:
+        out = helper(str(job), "0", "checkpoint fake", "--file", str(progress))
+    finally:
+        finish.join()
+    assert (out.returncode, out.stdout) == (0, ""), out
+
+    job.write_text(json.dumps({"started": 1, "finished": 0}))
+    appear = threading.Timer(1.0, lambda: progress.write_text("1/4 shards, 3 of 20 tensors\n"))
+    appear.start()
+    try:
+        out = helper(str(job), "0", "checkpoint fake", "--file", str(progress))
+    finally:
+        appear.join()
+    assert out.returncode == 3 and out.stdout.endswith(" s: 1/4 shards, 3 of 20 tensors\n"), out
 
 
 def test_a_job_that_died_without_a_result_ends_the_wait_instead_of_the_timeout(tmp_path: Path) -> None:
