@@ -69,14 +69,46 @@ def sandbox_hosts(sandbox_fleet) -> list[str]:  # noqa: F811 - the fixture impor
     return sandbox_fleet.names
 
 
+@dataclass
+class ConvergedDeploy:
+    """The session's one full deploy, and the hosts a test left changed for the next user to converge."""
+
+    run: PlaybookRun
+    owed: set[str]
+
+    def converge_owed(self) -> None:
+        """Deploy the dflash profile again on the hosts a test left changed (owe_convergence), if any."""
+        if not self.owed:
+            return
+        restore = run_playbook("site.yml", "--limit", ",".join(sorted(self.owed)), "-e", "sparkfleet_profile=dflash")
+        assert restore.returncode == 0, restore.output[-4000:]
+        self.owed.clear()
+
+
 @pytest.fixture(scope="session")
-def converged_fleet(sandbox_fleet):  # noqa: F811 - the fixture imported above
-    """The fleet after one real `site.yml` deploy of the dflash profile (shared by every test that
-    needs serving hosts; each such test leaves the fleet in this state)."""
+def converged_deploy(sandbox_fleet) -> ConvergedDeploy:  # noqa: F811 - the fixture imported above
+    """One real `site.yml` deploy of the dflash profile for the whole session."""
     run = run_playbook("site.yml", "-e", "sparkfleet_profile=dflash")
     assert run.returncode == 0, run.output[-4000:]
     assert set(run.recap) >= set(sandbox_fleet.names)
-    return run
+    return ConvergedDeploy(run, set())
+
+
+@pytest.fixture
+def converged_fleet(converged_deploy: ConvergedDeploy) -> PlaybookRun:
+    """The fleet as the session's deploy left it (shared by every test that needs serving hosts). A test
+    puts the fleet back as it found it, or hands the hosts it changed to ``owe_convergence``: they are
+    deployed again here before the next test that asks for the converged fleet (so the session's last
+    test pays for no restore nothing after it needs)."""
+    converged_deploy.converge_owed()
+    return converged_deploy.run
+
+
+@pytest.fixture
+def owe_convergence(converged_deploy: ConvergedDeploy):  # noqa: ANN201 - a callable: owe_convergence(host)
+    """``owe_convergence(host)``: the test leaves ``host`` off the converged state; the next test that asks
+    for ``converged_fleet`` deploys it again first."""
+    return converged_deploy.owed.add
 
 
 @pytest.fixture

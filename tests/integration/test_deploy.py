@@ -20,8 +20,9 @@ UNIT = "sparkfleet-vllm-dflash.service"
 
 
 @pytest.fixture(scope="module")
-def deployed(converged_fleet):
-    return converged_fleet
+def deployed(converged_deploy):
+    converged_deploy.converge_owed()
+    return converged_deploy.run
 
 
 def test_every_host_is_serving_and_summarised(deployed, sandbox_hosts, sandbox_fleet) -> None:
