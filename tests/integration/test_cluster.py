@@ -8,7 +8,8 @@ profile of that copy. Shown: the link preflight passes, the deploy serves a comp
 stages, a refusal of a run that changes only one member, drift, ops status and make bench take the
 pair as one target, a killed worker brings the pair down and back through the units and their
 watches, a rolling re-provision at batch size 1 and ops restart of one member move the pair whole, a
-head that cannot start rolls both back, and the fleet goes back to ``dflash`` afterwards.
+rolling re-provision whose head's preflight refuses changes nothing of the worker, a head that cannot
+start rolls both back, and the fleet goes back to ``dflash`` afterwards.
 """
 
 from __future__ import annotations
@@ -205,9 +206,27 @@ def test_a_pair_serves_one_model_and_comes_back_whole_after_losing_its_worker(
             assert sh(sandbox_fleet, host, f"systemctl show -p InvocationID --value {UNIT}") != invocations[host], host
         assert completion(sandbox_fleet, head).get("choices")
 
+        # a rolling re-provision (each member stopped first) whose head's preflight refuses (its API port
+        # is sshd's): the worker stops at the barrier after the preflight, before anything of its own
+        # changes, and both members start again on the units they had
+        units = {h: sh(sandbox_fleet, h, f"systemctl cat {UNIT}") for h in (head, worker)}
+        (Path(inventory) / "host_vars").mkdir()
+        (Path(inventory) / "host_vars" / f"{head}.yml").write_text(yaml.safe_dump({"sparkfleet_api_port": 22}))
+        refused = run_playbook("-i", inventory, "playbooks/rolling.yml", "--limit", f"{head},{worker}",
+                               "-e", f"sparkfleet_profile={PROFILE}", timeout=1500)  # fmt: skip
+        assert refused.returncode != 0
+        flat = " ".join(refused.output.split())
+        assert f"{worker} serves in cluster {CLUSTER} with {head}, which did not pass its preflight" in flat, flat[
+            -4000:
+        ]
+        assert "TASK [Patched vLLM wheel" not in refused.output and "TASK [vllm_wheel" not in refused.output
+        for host in (head, worker):
+            assert sh(sandbox_fleet, host, f"systemctl cat {UNIT}") == units[host], host
+            assert sh(sandbox_fleet, host, f"systemctl is-active {UNIT}") == "active", host
+        assert completion(sandbox_fleet, head).get("choices")
+
         # a change the head cannot start (a context beyond the model's): the head fails its gate, the
         # worker fails with it, and both return to their last good state, the pair as it served
-        (Path(inventory) / "host_vars").mkdir()
         (Path(inventory) / "host_vars" / f"{head}.yml").write_text(
             yaml.safe_dump({"sparkfleet_serve_args_host": {"max-model-len": 1_000_000}})
         )

@@ -12,6 +12,7 @@ summary is shown for a host in no cluster.
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import shutil
 import subprocess
@@ -522,3 +523,69 @@ def test_in_a_play_of_batches_each_batch_is_judged_with_its_own_hosts(tmp_path: 
     split = run_playbook(inventory, play, "--limit", "spark-a,spark-b", timeout=60)
     assert split.returncode != 0
     assert "cluster lopair: no link facts from spark-b (not in this run" in " ".join(split.stdout.split())
+
+
+def run_barrier(tmp_path: Path, refusing: list[str], barrier: bool = True) -> subprocess.CompletedProcess[str]:
+    """serve.yml's shape on spark-a and spark-b (cluster lopair) and spark-c (in no cluster), all this machine:
+    in a block with a rescue, a stand-in preflight that refuses on the ``refusing`` hosts, the barrier
+    (playbooks/tasks/cluster-preflight-barrier.yml), then a change (a file per host under tmp_path)."""
+    hosts = {host: local_host(test_plan=lo_plan(host)) for host in ("spark-a", "spark-b", "spark-c")}
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text(yaml.safe_dump({"all": {"hosts": hosts}}))
+    steps = [
+        {"ansible.builtin.set_fact": {"__serve_preflight_passed": False}},
+        {
+            "name": "Preflight (stand-in)",
+            "ansible.builtin.fail": {"msg": "{{ inventory_hostname }}: port 8000 is taken"},
+            "when": "inventory_hostname in refusing",
+        },
+        *([{"ansible.builtin.import_tasks": str(ROOT / "playbooks/tasks/cluster-preflight-barrier.yml")}] * barrier),
+        {
+            "name": "Change the serving stack",
+            "ansible.builtin.copy": {
+                "content": "changed\n",
+                "dest": f"{tmp_path}/changed-{{{{ inventory_hostname }}}}",
+            },
+        },
+    ]
+    rescue = [
+        {"ansible.builtin.copy": {"content": "rescued\n", "dest": f"{tmp_path}/rescued-{{{{ inventory_hostname }}}}"}}
+    ]
+    tasks = [
+        {"ansible.builtin.set_fact": {"sparkfleet_plan": "{{ test_plan }}"}},
+        {"name": "Serve it, or roll back", "block": steps, "rescue": rescue},
+    ]
+    extra = tmp_path / "vars.json"
+    extra.write_text(json.dumps({"refusing": refusing}))
+    return run_playbook(inventory, write_play(tmp_path / "play.yml", tasks), "-e", f"@{extra}", timeout=60)
+
+
+@needs_ansible_playbook
+def test_a_cluster_member_changes_nothing_when_another_member_s_preflight_refused(tmp_path: Path) -> None:
+    """The linear strategy runs a block to its end on every host before a failed host's rescue: without
+    the barrier spark-b (spark-a's worker) would change after spark-a's preflight refused."""
+    ran = run_barrier(tmp_path, ["spark-a"])
+    changed = sorted(path.name for path in tmp_path.glob("changed-*"))
+    rescued = sorted(path.name for path in tmp_path.glob("rescued-*"))
+    assert (changed, rescued) == (["changed-spark-c"], ["rescued-spark-a", "rescued-spark-b"]), ran.stdout[-3000:]
+    assert (
+        "spark-b serves in cluster lopair with spark-a, which did not pass its preflight: nothing of the cluster "
+        "changes in this run (fix what spark-a reported above and run again)."
+    ) in " ".join(ran.stdout.split())
+
+    for path in tmp_path.glob("*ed-spark-*"):
+        path.unlink()
+    ran = run_barrier(tmp_path, ["spark-b"])  # a worker's refusal holds its head back alike
+    assert sorted(path.name for path in tmp_path.glob("changed-*")) == ["changed-spark-c"], ran.stdout[-3000:]
+    assert "spark-a serves in cluster lopair with spark-b, which did not pass its preflight" in " ".join(
+        ran.stdout.split()
+    )
+
+
+@needs_ansible_playbook
+def test_without_a_refusal_the_barrier_lets_every_host_on(tmp_path: Path) -> None:
+    ran = run_barrier(tmp_path, [])
+    assert ran.returncode == 0, ran.stdout[-3000:]
+    changed = sorted(path.name for path in tmp_path.glob("changed-*"))
+    assert changed == ["changed-spark-a", "changed-spark-b", "changed-spark-c"]
+    assert not list(tmp_path.glob("rescued-*"))
