@@ -211,9 +211,12 @@ def test_beyond_loopback_only_keyed_requests_get_in(host: Host, sandbox_fleet, t
     profiles_site["dflash"]["baselines_quick"] = measured
     gate_vars = tmp_path / "gate-vars.json"
     gate_vars.write_text(json.dumps({"sparkfleet_profiles_site": profiles_site}), encoding="utf-8")
+    # (without the stop-first stop: the unit is unchanged, and what is tested here is the gate with the key,
+    # not a restart; the rolling tests stop first)
     rolled = run_playbook(
         "playbooks/rolling.yml", "--limit", host.name, "-e", "sparkfleet_profile=dflash",
-        "-e", "sparkfleet_api_host=0.0.0.0", "-e", f"@{secret_vars}", "-e", f"@{gate_vars}", timeout=900,
+        "-e", "sparkfleet_api_host=0.0.0.0", "-e", f"@{secret_vars}", "-e", f"@{gate_vars}",
+        "-e", "sparkfleet_serve_stop_first=false", timeout=900,
     )  # fmt: skip
     assert rolled.returncode == 0, rolled.output[-4000:]
     assert f"{host.name}: decode (quick)" in rolled.output, rolled.output[-4000:]
